@@ -1,2 +1,11 @@
-"""lowband: data-parallel training for slow networks."""
+"""lowband: data-parallel PyTorch training for networks too slow for plain synchronous SGD.
+
+    import lowband
+    engine = lowband.distribute(model, optimizer, algorithm="ssgd")
+"""
+from .algorithms import ALGORITHMS, Algorithm, SSGD, make_algorithm, register
+from .engine import Engine, distribute
+
 __version__ = "0.1.0"
+
+__all__ = ["distribute", "Engine", "Algorithm", "SSGD", "ALGORITHMS", "make_algorithm", "register", "__version__"]

@@ -1,0 +1,36 @@
+"""Algorithm registry: name -> class. One module per algorithm."""
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Algorithm, EngineContext
+from .ssgd import SSGD
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    SSGD.name: SSGD,
+}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator / function adding an algorithm to the registry under ``cls.name``."""
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
+    """An algorithm object from a registry name plus options, or the object itself."""
+    if isinstance(spec, Algorithm):
+        if options:
+            raise ValueError(f"options {sorted(options)} given together with an algorithm object; set them on the object")
+        return spec
+    try:
+        cls = ALGORITHMS[spec]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {spec!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
+
+
+__all__ = ["Algorithm", "EngineContext", "SSGD", "ALGORITHMS", "register", "make_algorithm"]

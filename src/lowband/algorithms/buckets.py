@@ -1,0 +1,152 @@
+"""Gradient buckets that launch their communication during backward.
+
+Gradients become ready roughly in reverse registration order, so parameters are grouped into
+buckets of at most ``bucket_bytes`` in that order. A bucket is *launched* (handed to a
+``launch`` callback that starts an asynchronous collective) as soon as its last gradient is
+ready **and every earlier bucket has been launched**: collectives must be issued in the same
+order on every rank, whatever order the local autograd happens to finish in.
+
+Each bucket carries one extra element per parameter, a "had a gradient" flag: a parameter
+that received no gradient on any rank keeps ``grad = None`` after the reduction, so the
+optimizer skips it exactly as a single process would (instead of applying weight decay or
+momentum to a zero gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    index: int
+    param_indices: list[int]
+    offsets: list[int]
+    numel: int                       # gradient elements (flags excluded)
+    buffer: torch.Tensor             # numel gradient values followed by one flag per param
+    pending: set = field(default_factory=set)
+    launched: bool = False
+    handle: object = None            # whatever the launch callback returned
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.buffer[: self.numel]
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.buffer[self.numel:]
+
+
+def plan_buckets(params: Sequence[nn.Parameter], indices: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Group ``indices`` (in reverse order) into buckets of at most ``bucket_bytes``; a
+    parameter larger than the cap gets a bucket of its own. Parameters of different dtypes
+    never share a bucket."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    dtype = None
+    for i in reversed(list(indices)):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > bucket_bytes or p.dtype != dtype):
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        dtype = p.dtype
+    if current:
+        groups.append(current)
+    return groups
+
+
+class BucketSet:
+    """Buckets over a subset of parameters, with in-order asynchronous launching."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        indices: Sequence[int],
+        bucket_bytes: int,
+        launch: Callable[[Bucket], object],
+    ):
+        self.params = params
+        self.launch_fn = launch
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, int] = {}
+        for b, group in enumerate(plan_buckets(params, indices, bucket_bytes)):
+            offsets, n = [], 0
+            for i in group:
+                offsets.append(n)
+                n += params[i].numel()
+                self.bucket_of[i] = b
+            dtype = params[group[0]].dtype
+            device = params[group[0]].device
+            buf = torch.zeros(n + len(group), dtype=dtype, device=device)
+            self.buckets.append(Bucket(b, list(group), offsets, n, buf))
+        self._next = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Prepare for a new iteration."""
+        for b in self.buckets:
+            b.pending = set(b.param_indices)
+            b.launched = False
+            b.handle = None
+            b.flags.zero_()
+        self._next = 0
+
+    def mark_ready(self, index: int, overlap: bool = True) -> None:
+        """Copy parameter ``index``'s gradient into its bucket; launch what became launchable."""
+        b = self.buckets[self.bucket_of[index]]
+        if index not in b.pending:
+            raise RuntimeError(
+                f"gradient of parameter #{index} became ready twice in one iteration; lowband "
+                "expects one backward() per engine.step() (accumulate gradients in the loss instead)")
+        k = b.param_indices.index(index)
+        p = self.params[index]
+        b.grads[b.offsets[k]: b.offsets[k] + p.numel()].copy_(p.grad.reshape(-1))
+        b.flags[k] = 1
+        b.pending.discard(index)
+        if overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        b.handle = self.launch_fn(b)
+
+    def launch_remaining(self) -> None:
+        """Launch every bucket not launched yet, in order. Parameters without a gradient this
+        iteration contribute zeros and a cleared flag."""
+        for b in self.buckets[self._next:]:
+            for k, i in enumerate(b.param_indices):
+                if i in b.pending:
+                    n = self.params[i].numel()
+                    b.grads[b.offsets[k]: b.offsets[k] + n].zero_()
+                    b.flags[k] = 0
+            b.pending.clear()
+            self._launch(b)
+        self._next = len(self.buckets)
+
+    def write_gradients(self, b: Bucket, reduced: Optional[torch.Tensor] = None) -> None:
+        """Write a bucket's reduced values (default: its own buffer) back into ``.grad``;
+        parameters whose flag is zero on every rank get ``grad = None``."""
+        values = b.buffer if reduced is None else reduced
+        flags = values[b.numel:]
+        for k, i in enumerate(b.param_indices):
+            p = self.params[i]
+            if float(flags[k]) <= 0:
+                p.grad = None
+                continue
+            g = values[b.offsets[k]: b.offsets[k] + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)

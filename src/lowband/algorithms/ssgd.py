@@ -1,0 +1,53 @@
+"""Synchronous SGD: bucketed all-reduce (average), overlapped with backward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch.distributed as dist
+
+from .base import Algorithm, EngineContext
+from .buckets import Bucket, BucketSet
+
+MIB = 1 << 20
+
+
+@dataclass
+class SSGD(Algorithm):
+    """Plain data-parallel SGD, the reference every other algorithm is measured against.
+
+    Knobs:
+        bucket_mb: bucket size cap in MiB. Larger buckets mean fewer, more efficient
+            collectives but less overlap (the first launch waits for more gradients). 25 MiB is
+            DDP's default; on slow links the overlap matters more than per-call overhead, so
+            smaller caps (1-4 MiB) can win — measure with ``benchmarks/overlap.py``.
+        overlap: launch each bucket's all-reduce during backward (True) or only after
+            backward (False, the "no overlap" baseline of the overlap benchmark).
+    """
+
+    bucket_mb: float = 25.0
+    overlap: bool = True
+
+    name: ClassVar[str] = "ssgd"
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ValueError(f"ssgd: bucket_mb must be > 0, got {self.bucket_mb}")
+
+    def bind(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
+
+    def _launch(self, b: Bucket):
+        return self.ctx.comm.all_reduce(b.buffer, op=dist.ReduceOp.AVG, async_op=True)
+
+    def on_gradient_ready(self, index: int) -> None:
+        self.buckets.mark_ready(index, overlap=self.overlap)
+
+    def step(self) -> None:
+        self.buckets.launch_remaining()
+        for b in self.buckets.buckets:
+            b.handle.wait()
+            self.buckets.write_gradients(b)
+        self.ctx.optimizer.step()
+        self.buckets.reset()

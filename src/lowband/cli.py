@@ -1,0 +1,176 @@
+"""The ``lowband`` command line.
+
+``lowband train`` spawns its workers on this machine, or, when started under torchrun
+(RANK and WORLD_SIZE set), joins that world as one worker, so the same command scales to
+many nodes. Usage errors, unknown names and bad dataset files exit with status 2 and one line.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from . import __version__
+from .algorithms import ALGORITHMS, make_algorithm
+from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
+from .data import DATASETS, DEFAULT_DATA_DIR, DatasetError, load_dataset
+from .models import MODELS
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise UsageError(message)
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise UsageError(f"--option expects KEY=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return key.strip().replace("-", "_"), value
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `train` and `bench` (everything except algorithm and worker count)."""
+    d = TrainConfig()
+    p.add_argument("--model", default=d.model, help=f"model name: {', '.join(MODELS)} (default: %(default)s)")
+    p.add_argument("--dataset", default=d.dataset, help=f"{', '.join(DATASETS)} (default: %(default)s)")
+    p.add_argument("--data-dir", default=d.data_dir, help="directory of the Fashion-MNIST IDX .gz files (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="epochs (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per-worker batch size (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default: %(default)s)")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="weight decay (default: %(default)s)")
+    p.add_argument("--optimizer", default=d.optimizer, help=f"{', '.join(OPTIMIZERS)} (default: %(default)s)")
+    p.add_argument("--lr-schedule", default=d.lr_schedule, help=f"{', '.join(LR_SCHEDULES)} (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for data order and initial weights (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per worker (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
+                   help="seconds before a silent peer is reported as failed (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
+    p.add_argument("--bucket-mb", type=float, default=None, help="bucket size cap in MiB for bucketed algorithms")
+    p.add_argument("--no-overlap", action="store_true", help="launch communication only after backward (ssgd)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other algorithm option, e.g. --option bucket_mb=4 (repeatable)")
+
+
+def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if args.bucket_mb is not None:
+        opts["bucket_mb"] = args.bucket_mb
+    if args.no_overlap:
+        opts["overlap"] = False
+    for text in args.option:
+        k, v = _parse_option(text)
+        opts[k] = v
+    return opts
+
+
+def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run_dir: str) -> TrainConfig:
+    cfg = TrainConfig(
+        model=args.model, algorithm=algorithm, algorithm_options=algorithm_options(args),
+        dataset=args.dataset, data_dir=args.data_dir, workers=workers, epochs=args.epochs,
+        max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+        weight_decay=args.weight_decay, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
+        seed=args.seed, threads=args.threads, run_dir=run_dir, timeout_s=args.timeout_s,
+        progress=args.progress,
+    )
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Everything that can be checked before any worker starts; raises UsageError."""
+    try:
+        cfg.validate()
+        if cfg.model not in MODELS:
+            raise ValueError(f"unknown model {cfg.model!r}; choose one of: {', '.join(sorted(MODELS))}")
+        if cfg.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of: {', '.join(DATASETS)}")
+        make_algorithm(cfg.algorithm, **cfg.algorithm_options)   # validates names and options
+        for split in ("train", "test"):
+            load_dataset(cfg.dataset, split, cfg.data_dir, cfg.seed)
+    except (ValueError, DatasetError) as e:
+        raise UsageError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lowband", description="Data-parallel training for slow networks.")
+    parser.add_argument("--version", action="version", version=f"lowband {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train one configuration with N workers",
+                       description="Train with N workers on this machine (gloo over loopback), or as one "
+                                   "worker of a torchrun world when RANK/WORLD_SIZE are set.")
+    t.add_argument("--algorithm", default="ssgd", help=f"{', '.join(sorted(ALGORITHMS))} (default: %(default)s)")
+    t.add_argument("--workers", type=int, default=TrainConfig.workers, help="worker processes (default: %(default)s)")
+    t.add_argument("--run-dir", default="runs/latest", help="where config, metrics and summary go (default: %(default)s)")
+    add_run_arguments(t)
+    return parser
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOWBAND_LAUNCHED" not in os.environ
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .launcher import launch_workers
+    from .metrics import format_table
+    from .train import print_summary, run_worker
+
+    if under_torchrun():
+        cfg = config_from_args(args, args.algorithm, int(os.environ["WORLD_SIZE"]), args.run_dir)
+        summary = run_worker(cfg)
+        if summary is not None:
+            print_summary(summary)
+        return 0
+    cfg = config_from_args(args, args.algorithm, args.workers, args.run_dir)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    for stale in ("steps.jsonl", "epochs.jsonl", "summary.json"):
+        path = os.path.join(cfg.run_dir, stale)
+        if os.path.exists(path):
+            os.remove(path)
+    config_path = os.path.join(cfg.run_dir, "config.json")
+    with open(config_path, "w") as f:
+        f.write(cfg.to_json())
+    result = launch_workers(cfg.workers, config_path, threads=cfg.threads)
+    if result.returncode != 0:
+        print(f"lowband: error: worker rank {result.failed_rank} failed with exit status "
+              f"{result.returncodes[result.failed_rank]}", file=sys.stderr)
+        return result.returncode
+    import json
+    with open(os.path.join(cfg.run_dir, "summary.json")) as f:
+        print(format_table([json.load(f)]))
+    print(f"run directory: {cfg.run_dir}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return COMMANDS[args.command](args)
+    except UsageError as e:
+        print(f"lowband: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("lowband: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Byte-counted access to torch.distributed.
+
+Every collective lowband issues goes through a :class:`Communicator`, so the bytes a rank
+hands to torch.distributed are counted where they are sent, not estimated by an algorithm
+after the fact. Two numbers are kept per operation:
+
+* ``payload`` — the bytes of the tensors passed in (what the caller asked to move);
+* ``wire`` — the bytes this rank sends (and receives) on its link under the collective's
+  standard bandwidth-optimal schedule (ring all-reduce: 2(N-1)/N of the tensor; ring
+  all-gather: (N-1) inputs; pairwise all-to-all: (N-1)/N of the input). The wire model is
+  what a link's byte counter should show (plus protocol headers); the network-emulation
+  benchmark checks it against the kernel's veth counters.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, asdict
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Running totals for one rank (``steps`` is advanced by the engine). All counters only
+    grow; callers diff snapshots."""
+
+    steps: int = 0
+    calls: int = 0
+    payload_bytes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    comm_wait_s: float = 0.0
+    by_op: dict = field(default_factory=dict)
+
+    def record(self, op: str, payload: int, sent: float, received: float) -> None:
+        self.calls += 1
+        self.payload_bytes += int(payload)
+        self.bytes_sent += int(round(sent))
+        self.bytes_received += int(round(received))
+        entry = self.by_op.setdefault(op, [0, 0])
+        entry[0] += 1
+        entry[1] += int(round(sent))
+
+    def snapshot(self) -> dict:
+        d = asdict(self)
+        d["by_op"] = {k: list(v) for k, v in self.by_op.items()}
+        return d
+
+    def load(self, d: dict) -> None:
+        for k, v in d.items():
+            setattr(self, k, dict(v) if k == "by_op" else v)
+
+
+class TimedWork:
+    """A pending collective whose ``wait()`` time is charged to the exposed-communication clock."""
+
+    def __init__(self, work: Optional[dist.Work], stats: CommStats):
+        self._work = work
+        self._stats = stats
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        t0 = time.perf_counter()
+        self._work.wait()
+        self._stats.comm_wait_s += time.perf_counter() - t0
+        self._work = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+class Communicator:
+    """Thin, counted wrapper over a torch.distributed process group.
+
+    Algorithms and collectives call these methods instead of ``torch.distributed``; each
+    returns a :class:`TimedWork` (``async_op=True``) or completes before returning.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None):
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _finish(self, work, async_op: bool) -> TimedWork:
+        tw = TimedWork(work, self.stats)
+        if not async_op:
+            tw.wait()
+        return tw
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    # -- collectives ----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> TimedWork:
+        n, p = self._nbytes(tensor), self.world_size
+        wire = 2.0 * (p - 1) / p * n
+        self.stats.record("all_reduce", n, wire, wire)
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True) if p > 1 else None
+        return self._finish(work, async_op)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> TimedWork:
+        """Gather ``tensor`` from every rank into ``output`` (shape ``[world, *tensor.shape]`` or flat)."""
+        n, p = self._nbytes(tensor), self.world_size
+        self.stats.record("all_gather", n, (p - 1) * n, (p - 1) * n)
+        if p > 1:
+            work = dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.group, async_op=True)
+        else:
+            output.view(-1).copy_(tensor.view(-1))
+            work = None
+        return self._finish(work, async_op)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> TimedWork:
+        """Even-split all-to-all: chunk i of ``tensor`` goes to rank i."""
+        n, p = self._nbytes(tensor), self.world_size
+        wire = (p - 1) / p * n
+        self.stats.record("all_to_all", n, wire, wire)
+        if p > 1:
+            work = dist.all_to_all_single(output, tensor.contiguous(), group=self.group, async_op=True)
+        else:
+            output.copy_(tensor)
+            work = None
+        return self._finish(work, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> TimedWork:
+        n, p = self._nbytes(tensor), self.world_size
+        sent = n * (p - 1) if self.rank == src else 0
+        received = 0 if self.rank == src else n
+        self.stats.record("broadcast", n, sent, received)
+        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True) if p > 1 else None
+        return self._finish(work, async_op)
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D copy of ``tensors`` (same dtype), for coalesced collectives."""
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors`` in place."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n

@@ -1,0 +1,116 @@
+"""Spawn N worker processes on this machine (gloo over loopback) and watch them.
+
+Each worker is ``python -m lowband.worker CONFIG`` with the standard torch.distributed
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the very same worker code runs
+under torchrun on many nodes. A ``prefix``/``extra_env`` per rank lets the network emulation run
+each worker inside its own network namespace.
+
+If a worker exits with an error, the others get ``grace_s`` seconds to notice (their
+collectives fail) and are then terminated, and the launch returns that worker's exit status;
+no process is left behind, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+LOOPBACK = "127.0.0.1"
+POLL_S = 0.1
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    failed_rank: Optional[int] = None
+    returncodes: list = field(default_factory=list)
+
+
+def launch_workers(
+    world_size: int,
+    config_path: str,
+    *,
+    threads: int = 1,
+    master_addr: str = LOOPBACK,
+    prefix: Optional[Callable[[int], Sequence[str]]] = None,
+    extra_env: Optional[Callable[[int], dict]] = None,
+    grace_s: float = 30.0,
+    module: str = "lowband.worker",
+) -> LaunchResult:
+    """Run ``world_size`` workers to completion; see the module docstring for failure handling."""
+    port = free_port(LOOPBACK) if master_addr == LOOPBACK else free_port("0.0.0.0")
+    procs: list[subprocess.Popen] = []
+    base_env = dict(os.environ)
+    src_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base_env["PYTHONPATH"] = src_dir + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")
+    try:
+        for rank in range(world_size):
+            env = dict(base_env)
+            env.update({
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(threads), "LOWBAND_LAUNCHED": "1",
+            })
+            if extra_env is not None:
+                env.update(extra_env(rank))
+            cmd = list(prefix(rank) if prefix else []) + [sys.executable, "-m", module, config_path]
+            procs.append(subprocess.Popen(cmd, env=env))
+        return _watch(procs, grace_s)
+    except KeyboardInterrupt:
+        _terminate(procs)
+        raise
+    finally:
+        _terminate(procs)
+
+
+def _watch(procs: list[subprocess.Popen], grace_s: float) -> LaunchResult:
+    failed_rank, deadline = None, None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        if failed_rank is None:
+            for rank, c in enumerate(codes):
+                if c not in (None, 0):
+                    failed_rank, deadline = rank, time.monotonic() + grace_s
+                    break
+        if deadline is not None and time.monotonic() > deadline:
+            _terminate(procs)
+            codes = [p.wait() for p in procs]
+            break
+        time.sleep(POLL_S)
+    if failed_rank is None:
+        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+        failed_rank = bad[0][0] if bad else None
+    rc = 0 if failed_rank is None else codes[failed_rank]
+    # a worker killed by a signal has a negative code; report it as a plain failure
+    return LaunchResult(returncode=rc if rc >= 0 else 1, failed_rank=failed_rank, returncodes=codes)
+
+
+def _terminate(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """SIGTERM what still runs, then SIGKILL what ignores it."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,167 @@
+"""The training loop one worker runs (inside an initialized process group)."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TrainConfig
+from .data import ShardedBatches, TensorDataset, load_dataset
+from .engine import Engine, distribute
+from .metrics import MetricsWriter, format_table, write_json_atomic
+from .models import make_model
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    if cfg.lr_schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
+    return None
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TensorDataset, rank: int, world_size: int, batch_size: int = 1000) -> tuple[float, float]:
+    """Test accuracy and mean loss over the whole split, each rank scoring a 1/world shard."""
+    was_training = model.training
+    model.eval()
+    idx = torch.arange(rank, len(data), world_size)
+    totals = torch.zeros(3, dtype=torch.float64)   # correct, loss sum, count
+    for start in range(0, idx.numel(), batch_size):
+        sel = idx[start:start + batch_size]
+        out = model(data.images[sel])
+        y = data.labels[sel]
+        totals[0] += (out.argmax(1) == y).sum().item()
+        totals[1] += F.cross_entropy(out, y, reduction="sum").item()
+        totals[2] += sel.numel()
+    if world_size > 1:
+        dist.all_reduce(totals)
+    model.train(was_training)
+    return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+
+
+def init_process_group(cfg: TrainConfig) -> None:
+    """Join the world described by the standard torch.distributed environment variables."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("LOWBAND_BACKEND") == "nccl" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+
+
+def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
+    """Train one worker's share; rank 0 returns (and writes) the run summary."""
+    init_process_group(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+
+    train = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.seed)
+    test = load_dataset(cfg.dataset, "test", cfg.data_dir, cfg.seed)
+    batches = ShardedBatches(train, cfg.batch_size, rank, world, cfg.seed)
+    total_steps = cfg.epochs * batches.steps_per_epoch
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    model = make_model(cfg.model)
+    optimizer = make_optimizer(cfg, model)
+    scheduler = make_scheduler(cfg, optimizer, total_steps)
+    engine = distribute(model, optimizer, cfg.algorithm, **cfg.algorithm_options)
+    writer = MetricsWriter(cfg.run_dir, enabled=(rank == 0))
+    progress = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+        progress = tqdm(total=total_steps, desc=f"{cfg.algorithm} x{world}", unit="step", leave=False)
+
+    step = 0
+    train_time = 0.0
+    wait_total = 0.0
+    accuracy = test_loss = float("nan")
+    wall0 = time.perf_counter()
+    for epoch in range(cfg.epochs):
+        if step >= total_steps:
+            break
+        for x, y in batches.epoch(epoch):
+            if step >= total_steps:
+                break
+            before = engine.stats.snapshot()
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(engine.module(x), y)
+            loss.backward()
+            engine.step()
+            if scheduler is not None:
+                scheduler.step()
+            t1 = time.perf_counter()
+            after = engine.stats
+            wait = after.comm_wait_s - before["comm_wait_s"]
+            step_s = t1 - t0
+            train_time += step_s
+            wait_total += wait
+            step += 1
+            loss_value = loss.item()
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"rank {rank}: loss became {loss_value} at step {step}")
+            writer.step({
+                "step": step, "epoch": epoch, "loss": loss_value, "step_s": step_s,
+                "compute_s": step_s - wait, "comm_wait_s": wait,
+                "bytes_sent": after.bytes_sent - before["bytes_sent"],
+                "bytes_received": after.bytes_received - before["bytes_received"],
+                "lr": optimizer.param_groups[0]["lr"],
+            })
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_s:.0f}")
+        end_of_run = step >= total_steps
+        if cfg.eval_every_epoch or end_of_run:
+            engine.synchronize()
+            accuracy, test_loss = evaluate(engine.module, test, rank, world)
+            writer.epoch({"epoch": epoch, "step": step, "test_accuracy": accuracy, "test_loss": test_loss,
+                          "wall_s": time.perf_counter() - wall0, "train_s": train_time})
+    engine.synchronize()
+    if math.isnan(accuracy):
+        accuracy, test_loss = evaluate(engine.module, test, rank, world)
+    wall = time.perf_counter() - wall0
+    if progress is not None:
+        progress.close()
+
+    stats = engine.stats
+    summary = None
+    if rank == 0:
+        summary = {
+            "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
+            "workers": world, "model": cfg.model, "dataset": cfg.dataset,
+            "batch_size": cfg.batch_size, "steps": step,
+            "test_accuracy": accuracy, "test_loss": test_loss,
+            "wall_s": wall, "train_s": train_time,
+            "step_ms": 1e3 * train_time / max(1, step),
+            "throughput": step * cfg.batch_size * world / train_time if train_time > 0 else None,
+            "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+            "payload_bytes": stats.payload_bytes,
+            "mb_sent_per_step": stats.bytes_sent / max(1, step) / 1e6,
+            "comm_wait_s": wait_total,
+            "comm_wait_share": wait_total / train_time if train_time > 0 else None,
+        }
+        writer.summary(summary)
+    writer.close()
+    engine.close()
+    dist.barrier()
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(format_table([summary]), flush=True)

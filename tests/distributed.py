@@ -1,0 +1,62 @@
+"""Run a function in N gloo processes and collect what each rank returns."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        result = fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; returns results by rank.
+    Raises with the failing rank's traceback; never waits longer than ``timeout_s``."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout_s + 30)
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("distributed test failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
