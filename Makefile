@@ -1,0 +1,43 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   - venv + lowband + dataset, then the main job (a short multi-worker comparison)
+#   make test   - venv + lowband + dataset, then the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+DATA_DIR ?= /usr/share/datasets/fashion-mnist
+DATA_FILE := $(DATA_DIR)/train-images-idx3-ubyte.gz
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv data bench-overlap clean
+
+venv: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+# Fashion-MNIST from Debian's package, when it is missing and apt is usable.
+data:
+	@if [ -f "$(DATA_FILE)" ]; then echo "dataset: $(DATA_DIR)"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing dataset-fashion-mnist with apt-get"; \
+	  apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null; }; \
+	else echo "dataset missing at $(DATA_DIR) and apt-get is not usable (need root): install 'dataset-fashion-mnist' or pass --data-dir" >&2; \
+	fi
+
+demo: venv data
+	$(BIN)/lowband train --workers 2 --model cnn --epochs 1 --max-steps 300 --run-dir runs/demo
+
+# pytest exits 5 when it collected no test: that is a failure here, not a pass.
+test: venv data
+	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench-overlap: venv data
+	$(BIN)/python benchmarks/overlap.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis
