@@ -1,0 +1,67 @@
+"""Run training configurations side by side and reduce their metrics to comparable numbers.
+
+Used by ``lowband bench`` and the scripts in ``benchmarks/``. Each configuration runs as a
+real multi-process ``lowband train`` job; step times are medians over the steps after a short
+warm-up (the first steps include allocation and connection set-up).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from .config import TrainConfig
+from .launcher import launch_workers
+from .metrics import read_jsonl
+
+WARMUP_STEPS = 5     # steps excluded from the medians
+
+
+@dataclass
+class RunResult:
+    config: TrainConfig
+    summary: dict[str, Any]
+    steps: list[dict[str, Any]]
+
+    def median(self, key: str, skip: int = WARMUP_STEPS) -> float:
+        values = [s[key] for s in self.steps[skip:]] or [s[key] for s in self.steps]
+        return statistics.median(values)
+
+    def row(self, **extra: Any) -> dict[str, Any]:
+        """One flat record: the summary plus median step/compute/wait times in ms."""
+        return {
+            **{k: v for k, v in self.summary.items() if not isinstance(v, dict)},
+            "median_step_ms": 1e3 * self.median("step_s"),
+            "median_compute_ms": 1e3 * self.median("compute_s"),
+            "median_comm_wait_ms": 1e3 * self.median("comm_wait_s"),
+            "median_bytes_sent": self.median("bytes_sent"),
+            **extra,
+        }
+
+
+def run_config(
+    cfg: TrainConfig,
+    *,
+    prefix: Optional[Callable[[int], Sequence[str]]] = None,
+    extra_env: Optional[Callable[[int], dict]] = None,
+    master_addr: Optional[str] = None,
+) -> RunResult:
+    """Run one configuration to completion with ``cfg.workers`` local processes."""
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    for name in ("steps.jsonl", "epochs.jsonl", "summary.json"):
+        path = os.path.join(cfg.run_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+    config_path = os.path.join(cfg.run_dir, "config.json")
+    with open(config_path, "w") as f:
+        f.write(cfg.to_json())
+    kwargs = {"master_addr": master_addr} if master_addr else {}
+    result = launch_workers(cfg.workers, config_path, threads=cfg.threads, prefix=prefix, extra_env=extra_env, **kwargs)
+    if result.returncode != 0:
+        raise RuntimeError(f"{cfg.algorithm} x{cfg.workers}: worker rank {result.failed_rank} failed "
+                           f"(exit status {result.returncodes[result.failed_rank]}); see {cfg.run_dir}")
+    with open(os.path.join(cfg.run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return RunResult(cfg, summary, read_jsonl(os.path.join(cfg.run_dir, "steps.jsonl")))
