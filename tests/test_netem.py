@@ -62,6 +62,13 @@ def test_parse_rate_rejects(text: str) -> None:
         parse_rate(text)
 
 
+def test_auto_burst() -> None:
+    assert netem.auto_burst(None) == netem.auto_burst(10**6) == "65536b"  # floor: one GSO segment
+    assert netem.auto_burst(10**9) == "250000b"  # 2 ms at 1gbit
+    assert EmulatedCluster(2, 10**9).burst == "250000b"
+    assert EmulatedCluster(2, 10**9, burst="1mb").burst == "1mb"
+
+
 def test_check_available_is_one_line_or_none() -> None:
     why = netem.check_available()
     assert why is None or ("\n" not in why and "--bandwidth none" in why)

@@ -50,6 +50,7 @@ __all__ = [
     "check_available",
     "cleanup_stale",
     "EmulatedCluster",
+    "auto_burst",
 ]
 
 #: Prefix of every namespace we create; cleanup_stale only ever touches these.
@@ -65,6 +66,15 @@ STATE_DIR = Path(os.environ.get("LOWBAND_NETEM_STATE_DIR", "/run/lowband"))
 IFNAME_MAX = 15
 #: Seconds a single ip/tc call may take before we call it hung.
 CMD_TIMEOUT_S = 30.0
+#: tbf bucket = this many seconds of the configured rate when burst is not given.
+#: Why: a fixed 64kb bucket is < 1 ms at 1gbit; tbf then throttles constantly, its
+#: watchdog dequeues on the other CPU, packets of one flow get reordered and TCP does
+#: spurious SACK recovery (measured: 0.70 of 1gbit for gloo).  2 ms keeps throughput at
+#: ~0.95 of rate while letting at most 2 ms worth of data pass at line speed.
+AUTO_BURST_S = 0.002
+#: Lower bound of the automatic burst (the value tc's docs and MACHINE-FACTS use): a
+#: bucket much smaller than a 64 KB GSO packet makes tbf software-segment everything.
+MIN_BURST_BYTES = 64 * 1024
 #: Grace period between SIGTERM and SIGKILL for processes left in a worker namespace.
 STRAGGLER_GRACE_S = 2.0
 
@@ -189,6 +199,13 @@ def parse_rate(text: str) -> int | None:
     return bits
 
 
+def auto_burst(rate_bits: int | None) -> str:
+    """Default tbf burst for a rate, in tc syntax (bytes): see AUTO_BURST_S."""
+    if rate_bits is None:
+        return f"{MIN_BURST_BYTES}b"
+    return f"{max(MIN_BURST_BYTES, int(rate_bits * AUTO_BURST_S / 8))}b"
+
+
 def check_available() -> str | None:
     """Return None if an emulated cluster can be built here, else one line saying why.
 
@@ -206,7 +223,7 @@ def check_available() -> str | None:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "add", "lbprobe0", "type", "veth", "peer", "name", "lbprobe1"])
         _run(["tc", "-n", ns, "qdisc", "add", "dev", "lbprobe0", "root", "tbf",
-              "rate", "1mbit", "burst", "64kb", "latency", "50ms"])
+              "rate", "1mbit", "burst", auto_burst(None), "latency", "50ms"])
         _run(["ip", "netns", "exec", ns, "true"])
     except NetemError as e:
         return f"network emulation unavailable: {e}{hint}"
@@ -284,15 +301,17 @@ class EmulatedCluster:
         world_size: int,
         rate_bits: int | None,
         *,
-        burst: str = "64kb",
+        burst: str | None = None,
         latency: str = "50ms",
         run_id: str | None = None,
         terminate_stragglers: bool = True,
     ) -> None:
-        """burst/latency are tbf parameters: 64kb keeps bursts small relative to a
-        step's traffic at >= 10mbit while holding a full 64 KB GSO segment; 50ms of
-        queue bounds bufferbloat.  terminate_stragglers: on close, kill processes
-        still inside the worker namespaces (they would hang without a network)."""
+        """burst/latency are tbf parameters (tc syntax).  burst None = automatic:
+        max(64 KiB, AUTO_BURST_S of the rate), i.e. 64kb up to 262 mbit and 250000b at
+        1gbit (see AUTO_BURST_S for why not always 64kb).  latency 50ms bounds the tbf
+        queue (bufferbloat) without dropping TCP's normal bursts.
+        terminate_stragglers: on close, kill processes still inside the worker
+        namespaces (they would hang in gloo without a network)."""
         if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world_size must be an int in 1..{MAX_WORLD_SIZE}, got {world_size!r}")
         if rate_bits is not None and (not isinstance(rate_bits, int) or rate_bits <= 0):
@@ -302,7 +321,7 @@ class EmulatedCluster:
             raise ValueError(f"run_id must be 1-8 ASCII letters/digits (it is part of interface names), got {run_id!r}")
         self.world_size = world_size
         self.rate_bits = rate_bits
-        self.burst = burst
+        self.burst = burst if burst is not None else auto_burst(rate_bits)
         self.latency = latency
         self.run_id = run_id
         self.terminate_stragglers = terminate_stragglers
