@@ -74,6 +74,14 @@ def test_check_available_is_one_line_or_none() -> None:
     assert why is None or ("\n" not in why and "--bandwidth none" in why)
 
 
+def test_check_available_explains_missing_root_and_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in (netem.check_available() or "")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netem.shutil, "which", lambda tool: None)
+    assert "`ip`" in (netem.check_available() or "")
+
+
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError):
         EmulatedCluster(0, None)
