@@ -50,10 +50,9 @@ def run_config(
 ) -> RunResult:
     """Run one configuration to completion with ``cfg.workers`` local processes."""
     os.makedirs(cfg.run_dir, exist_ok=True)
-    for name in ("steps.jsonl", "epochs.jsonl", "summary.json"):
-        path = os.path.join(cfg.run_dir, name)
-        if os.path.exists(path):
-            os.remove(path)
+    for name in os.listdir(cfg.run_dir):
+        if name in ("steps.jsonl", "epochs.jsonl", "summary.json") or name.endswith(".stats.json"):
+            os.remove(os.path.join(cfg.run_dir, name))
     config_path = os.path.join(cfg.run_dir, "config.json")
     with open(config_path, "w") as f:
         f.write(cfg.to_json())
@@ -65,3 +64,48 @@ def run_config(
     with open(os.path.join(cfg.run_dir, "summary.json")) as f:
         summary = json.load(f)
     return RunResult(cfg, summary, read_jsonl(os.path.join(cfg.run_dir, "steps.jsonl")))
+
+
+# -- the side-by-side matrix -----------------------------------------------------------------
+
+RESULTS_FILE = "results.json"
+
+
+def rank_stats(run_dir: str, workers: int) -> list[dict[str, Any]]:
+    """Each rank's own byte accounting, written by the worker at the end of its run."""
+    out = []
+    for r in range(workers):
+        with open(os.path.join(run_dir, f"rank{r}.stats.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def run_on_link(cfg: TrainConfig, rate_bits: Optional[int]) -> dict[str, Any]:
+    """Run ``cfg`` over an emulated link of ``rate_bits`` (None: plain loopback) and return
+    its row, with the links' kernel byte counters beside lowband's own accounting."""
+    from . import netem
+
+    if rate_bits is None:
+        result = run_config(cfg)
+        return result.row(**_accounting(cfg, None))
+    with netem.EmulatedCluster(cfg.workers, rate_bits) as cluster:
+        before = cluster.link_counters()
+        def env(rank: int) -> dict:
+            # c10d warns once per connection that a namespace address has no hostname: noise
+            return {**cluster.worker_env(rank), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        result = run_config(cfg, prefix=cluster.worker_prefix, extra_env=env, master_addr=cluster.master_addr)
+        after = cluster.link_counters()
+    link_tx = sum(after[r][0] - before[r][0] for r in range(cfg.workers))
+    link_rx = sum(after[r][1] - before[r][1] for r in range(cfg.workers))
+    return result.row(**_accounting(cfg, (link_tx, link_rx)))
+
+
+def _accounting(cfg: TrainConfig, link: Optional[tuple[int, int]]) -> dict[str, Any]:
+    ranks = rank_stats(cfg.run_dir, cfg.workers)
+    sent = sum(s["bytes_sent"] for s in ranks)
+    row: dict[str, Any] = {"lowband_bytes_sent_all_ranks": sent,
+                           "payload_bytes_all_ranks": sum(s["payload_bytes"] for s in ranks)}
+    if link is not None:
+        row["link_tx_bytes_all_ranks"], row["link_rx_bytes_all_ranks"] = link
+        row["link_over_accounted"] = link[0] / sent if sent else None
+    return row

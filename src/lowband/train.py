@@ -87,6 +87,14 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         from tqdm import tqdm
         progress = tqdm(total=total_steps, desc=f"{cfg.algorithm} x{world}", unit="step", leave=False)
 
+    def evaluate_and_record(epoch: int) -> tuple[float, float]:
+        """Drain, score the global model, and log it (train_s excludes evaluation time)."""
+        engine.synchronize()
+        acc, tl = evaluate(engine.module, test, rank, world)
+        writer.epoch({"epoch": epoch, "step": step, "test_accuracy": acc, "test_loss": tl,
+                      "wall_s": time.perf_counter() - wall0, "train_s": train_time})
+        return acc, tl
+
     step = 0
     train_time = 0.0
     wait_total = 0.0
@@ -126,12 +134,11 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_s:.0f}")
+            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < total_steps:
+                accuracy, test_loss = evaluate_and_record(epoch)
         end_of_run = step >= total_steps
         if cfg.eval_every_epoch or end_of_run:
-            engine.synchronize()
-            accuracy, test_loss = evaluate(engine.module, test, rank, world)
-            writer.epoch({"epoch": epoch, "step": step, "test_accuracy": accuracy, "test_loss": test_loss,
-                          "wall_s": time.perf_counter() - wall0, "train_s": train_time})
+            accuracy, test_loss = evaluate_and_record(epoch)
     engine.synchronize()
     if math.isnan(accuracy):
         accuracy, test_loss = evaluate(engine.module, test, rank, world)
@@ -140,6 +147,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         progress.close()
 
     stats = engine.stats
+    # every rank's own byte counts, for checking them against the links' kernel counters
+    write_json_atomic(os.path.join(cfg.run_dir, f"rank{rank}.stats.json"), stats.snapshot())
     summary = None
     if rank == 0:
         summary = {
