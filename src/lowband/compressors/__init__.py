@@ -6,10 +6,25 @@
 
 from .base import COMPRESSORS, Compressor, Ctx, Identity, compressor_class, make_compressor
 from .error_feedback import ErrorFeedback
+from .fp16 import BF16, FP16
+from .onebit import OneBitSign
+from .powersgd import PowerSGD
+from .qsgd import QSGD
+from .randomk import RandomK
+from .terngrad import TernGrad
+from .topk import TopK
 from .twobit import TwoBitQuantizer
 
 __all__ = [
+    "BF16",
     "COMPRESSORS",
+    "FP16",
+    "OneBitSign",
+    "PowerSGD",
+    "QSGD",
+    "RandomK",
+    "TernGrad",
+    "TopK",
     "Compressor",
     "Ctx",
     "ErrorFeedback",
