@@ -242,10 +242,18 @@ def make_compressor(name: str, **options: Any) -> Compressor:
     Unknown names, unknown options and invalid option values raise ``ValueError``.
     """
     cls = compressor_class(name)
-    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    params = [
+        p
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    valid = [p.name for p in params]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(
             f"compressor {name!r} got unknown option(s) {unknown}; valid options: {valid or 'none'}"
         )
+    missing = [p.name for p in params if p.default is p.empty and p.name not in options]
+    if missing:
+        raise ValueError(f"compressor {name!r} needs option(s) {missing}; valid options: {valid}")
     return cls(**options)
