@@ -184,12 +184,20 @@ def test_pack_1bit_round_trip_and_numpy_layout(bits):
     assert words.view(torch.uint8).tolist() == expected.tolist()
 
 
+def msb_first_stream_reference(codes: list[int], width: int) -> list[int]:
+    """Slow reference of the wire layout: MSB-first bit stream, bytes in order, int32 words."""
+    bits = [(c >> (width - 1 - j)) & 1 for c in codes for j in range(width)]
+    bits += [0] * (-len(bits) % 32)
+    data = bytes(sum(b << (7 - j) for j, b in enumerate(bits[i : i + 8])) for i in range(0, len(bits), 8))
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
 @FAST
 @given(st.integers(1, 16), st.data())
-def test_pack_bits_any_width_round_trip(width, data):
+def test_pack_bits_any_width_layout_and_round_trip(width, data):
     codes = data.draw(st.lists(st.integers(0, (1 << width) - 1), max_size=100))
     words = pack_bits(torch.tensor(codes, dtype=torch.int32), width)
-    assert words.numel() == math.ceil(len(codes) * width / 32)
+    assert words.tolist() == msb_first_stream_reference(codes, width)
     assert unpack_bits(words, len(codes), width).tolist() == codes
 
 

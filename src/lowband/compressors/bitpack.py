@@ -60,6 +60,7 @@ _LOW1_MASK_64 = 0x0101010101010101
 # Inverse: spread byte b to 8 bytes: b * 0x0101010101010101 replicates it, & picks bit (7-k)
 # in byte k, then != 0.
 _REPLICATE_8 = 0x0101010101010101
+_MAGIC_4 = (1 << 12) + 1
 _PICK_BITS = 0x0102040810204080
 
 
@@ -127,13 +128,27 @@ def unpack_1bit(words: torch.Tensor, n: int) -> torch.Tensor:
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Pack unsigned integer codes of any ``width`` (1..16 bits) into ``ceil(n*width/32)`` words.
 
-    Generic path via bit planes (``n*width`` bytes of scratch); same MSB-first stream layout as
-    the fast 1- and 2-bit packers, so ``pack_bits(c, 2)`` equals ``pack_2bit`` on padded input.
+    Same MSB-first stream layout as the 1- and 2-bit packers, so ``pack_bits(c, 2)`` equals
+    ``pack_2bit`` on padded input. Widths 1, 2, 4 and 8 take byte-level fast paths; other widths
+    go through bit planes (``n*width`` bytes of scratch), which is simple and exact but slower.
     """
     if not 1 <= width <= 16:
         raise ValueError(f"pack_bits supports widths 1..16, got {width}")
     flat = codes.reshape(-1)
     n = flat.numel()
+    if width in (1, 2, 4, 8):
+        buf = code_buffer(n, width, device=flat.device)
+        buf[:n] = flat
+        if width == 1:
+            return pack_1bit(buf)
+        if width == 2:
+            return pack_2bit(buf)
+        if width == 8:
+            return buf.view(torch.int32)
+        # width 4: int16 pair c0 | c1<<8; times (1<<12 | 1) puts c0 at bits 12..15 and c1 at
+        # 8..11 (c0 also at 0..3, disjoint), so the high byte is c0<<4 | c1.
+        pairs = buf.view(torch.int16) * _MAGIC_4
+        return pairs.bitwise_right_shift_(8).to(torch.uint8).view(torch.int32)
     shifts = torch.arange(width - 1, -1, -1, device=flat.device, dtype=torch.int32)
     planes = (flat.to(torch.int32).unsqueeze(1) >> shifts).bitwise_and_(1)  # (n, width), MSB first
     stream = code_buffer(n * width, 1, device=flat.device)
@@ -145,6 +160,17 @@ def unpack_bits(words: torch.Tensor, n: int, width: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: int32 codes, ``n`` of them."""
     if not 1 <= width <= 16:
         raise ValueError(f"unpack_bits supports widths 1..16, got {width}")
+    if width == 1:
+        return unpack_1bit(words, n).to(torch.int32)
+    if width == 2:
+        return unpack_2bit(words, n).to(torch.int32)
+    packed = words.reshape(-1).view(torch.uint8)
+    if width == 8:
+        return packed[:n].to(torch.int32)
+    if width == 4:
+        wide = packed.to(torch.int16)
+        pairs = (wide >> 4) | ((wide & 0x0F) << 8)  # little-endian bytes: c0 then c1
+        return pairs.view(torch.uint8)[:n].to(torch.int32)
     planes = unpack_1bit(words, n * width).to(torch.int32).reshape(n, width)
     shifts = torch.arange(width - 1, -1, -1, device=planes.device, dtype=torch.int32)
     return (planes << shifts).sum(dim=1, dtype=torch.int32)

@@ -42,13 +42,15 @@ class TwoBitQuantizer(Compressor):
     Args:
         threshold: ``t`` (required, > 0), in mean-gradient units (see module docstring).
         block_size: elements processed per cache block on CPU (rounded up to a multiple of 16).
-            The default keeps the 256 KiB fp32 scratch in L2, which is ~1.5x faster than whole-
-            tensor passes through DRAM. CUDA always uses one block (kernel launches dominate).
+            The default keeps the ~0.9 MiB of scratch (fp32, int8 and two int32/4 buffers) in
+            L2. It measured ~1.5x faster than whole-tensor passes through DRAM, and fast
+            enough that the ~15 op dispatches per block stay a small cost. CUDA always uses one
+            block, because there kernel launches dominate.
     """
 
     name = "2bit"
 
-    def __init__(self, threshold: float, block_size: int = 1 << 16) -> None:
+    def __init__(self, threshold: float, block_size: int = 1 << 17) -> None:
         check_positive("threshold", threshold)
         check_positive("block_size", block_size, int)
         self.threshold = float(np.float32(threshold))
