@@ -64,6 +64,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="also evaluate every N steps (for accuracy-against-time curves)")
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size cap in MiB for bucketed algorithms")
     p.add_argument("--no-overlap", action="store_true", help="launch communication only after backward (ssgd)")
+    p.add_argument("--compressor", default=None, help="codec for compressed algorithms: 2bit, 1bit, qsgd, terngrad, "
+                   "topk, randomk, fp16, bf16, powersgd, none")
+    p.add_argument("--collective", default=None, help="compressed collective: two-stage or allgather")
+    p.add_argument("--compressor-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="codec option, e.g. --compressor-option threshold=0.01 (repeatable)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other algorithm option, e.g. --option bucket_mb=4 (repeatable)")
 
@@ -74,6 +79,12 @@ def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["bucket_mb"] = args.bucket_mb
     if args.no_overlap:
         opts["overlap"] = False
+    if args.compressor is not None:
+        opts["compressor"] = args.compressor
+    if args.collective is not None:
+        opts["collective"] = args.collective
+    if args.compressor_option:
+        opts["compressor_options"] = dict(_parse_option(t) for t in args.compressor_option)
     for text in args.option:
         k, v = _parse_option(text)
         opts[k] = v

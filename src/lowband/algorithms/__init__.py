@@ -4,12 +4,14 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Algorithm, EngineContext
+from .compressed import CompressedSGD
 from .noop import NoComm
 from .ssgd import SSGD
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     SSGD.name: SSGD,
     NoComm.name: NoComm,
+    CompressedSGD.name: CompressedSGD,
 }
 
 
@@ -35,4 +37,4 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "ALGORITHMS", "register", "make_algorithm"]
+__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "ALGORITHMS", "register", "make_algorithm"]
