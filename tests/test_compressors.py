@@ -153,6 +153,20 @@ def test_twobit_fused_equals_generic_error_feedback(device):
         assert torch.equal(e_fused, e_generic)
 
 
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_every_fused_error_feedback_path_equals_generic(name):
+    fused, generic = build(name), build(name)  # same seeds, so same random draws
+    gen = torch.Generator().manual_seed(2)
+    e_fused = torch.randn(7, 33, generator=gen)
+    e_generic = e_fused.clone()
+    for _ in range(3):
+        g = torch.randn(7, 33, generator=gen)
+        p1, _ = fused.compress_residual_(e_fused, "w", add=g)
+        p2, _ = Compressor.compress_residual_(generic, e_generic, "w", add=g)
+        assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+        assert torch.equal(e_fused, e_generic)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bit packing
 # ---------------------------------------------------------------------------------------------
