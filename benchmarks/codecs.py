@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     print("$ PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv))
     print(f"torch {torch.__version__}, {args.threads} thread(s), reps={args.reps} (min), "
           f"input N(0,1) fp32; options: {BENCH_OPTIONS}")
+    if hasattr(os, "getloadavg"):  # other processes on the host skew the numbers; say so
+        print(f"host load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print()
     print(run(args.sizes, args.reps, args.codecs))
 

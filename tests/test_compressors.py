@@ -41,7 +41,7 @@ OPTIONS: dict[str, dict] = {
     "powersgd": {"rank": 2},
 }
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-SHAPES = [(1,), (15,), (16,), (17,), (33,), (5, 7), (4, 3, 5), (64, 9)]
+SHAPES = [(), (0,), (3, 0), (1,), (15,), (16,), (17,), (33,), (5, 7), (4, 3, 5), (64, 9)]
 FAST = settings(max_examples=60, deadline=None)
 
 
@@ -157,6 +157,14 @@ def test_twobit_fused_equals_generic_error_feedback(device):
 def test_every_fused_error_feedback_path_equals_generic(name):
     fused, generic = build(name), build(name)  # same seeds, so same random draws
     gen = torch.Generator().manual_seed(2)
+    for shape in [(), (0,)]:  # degenerate shapes go through the fused paths too
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                fused.compress_residual_(torch.ones(shape), "s")[0],
+                Compressor.compress_residual_(generic, torch.ones(shape), "s")[0],
+            )
+        )
     e_fused = torch.randn(7, 33, generator=gen)
     e_generic = e_fused.clone()
     for _ in range(3):

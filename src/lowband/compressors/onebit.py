@@ -48,7 +48,8 @@ class OneBitSign(Compressor):
             buf.add_(add.reshape(buf.shape))
         payload, ctx = self.compress(buf, name)
         # decode(payload) == copysign(scale, buf) exactly (same sign bit), without unpacking
-        buf.sub_(torch.copysign(payload[1], buf))
+        flat = buf.view(-1)
+        flat.sub_(torch.copysign(payload[1], flat))
         return payload, ctx
 
     def decompress(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
