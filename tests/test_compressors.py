@@ -470,6 +470,11 @@ def test_bad_options_raise_value_error(name, options):
         assert "2bit" in str(info.value) and "powersgd" in str(info.value)
 
 
+def test_numpy_scalars_are_valid_options():
+    assert make_compressor("2bit", threshold=np.float32(0.25)).threshold == 0.25
+    assert make_compressor("qsgd", levels=np.int64(3), seed=np.int64(1)).levels == 3
+
+
 def test_error_feedback_needs_a_compressor():
     with pytest.raises(ValueError):
         ErrorFeedback("2bit")  # type: ignore[arg-type]
