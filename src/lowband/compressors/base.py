@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import numbers
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -85,6 +86,10 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        """Release this thread's buffers (they grow to the largest tensor seen)."""
+        self.buffers.clear()
 
     def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
@@ -160,9 +165,9 @@ class SteppedCompressor(Compressor):
     """Base for codecs that draw randomness: keeps the per-name step counter and the seed."""
 
     def __init__(self, seed: int = 0) -> None:
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        self.seed = seed
+        self.seed = int(seed)
         self._steps: dict[str, int] = {}
 
     def _next_step(self, name: str) -> int:
@@ -189,11 +194,13 @@ def flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def check_positive(name: str, value: Any, kind: type = float) -> None:
-    """Raise ``ValueError`` unless ``value`` is a positive number (bools rejected)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    """Raise ``ValueError`` unless ``value`` is a positive real (``kind=int``: integer) number.
+
+    Accepts numpy scalars (via ``numbers``), rejects bools, strings and NaN.
+    """
+    wanted = numbers.Integral if kind is int else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, wanted) or not value > 0:
         raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
-    if kind is int and int(value) != value:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class Identity(Compressor):

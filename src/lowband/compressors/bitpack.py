@@ -61,6 +61,7 @@ _LOW1_MASK_64 = 0x0101010101010101
 # in byte k, then != 0.
 _REPLICATE_8 = 0x0101010101010101
 _MAGIC_4 = (1 << 12) + 1
+_SEVEN_F = 0x7F7F7F7F7F7F7F7F
 _PICK_BITS = 0x0102040810204080
 
 
@@ -120,9 +121,12 @@ def unpack_1bit(words: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_1bit`: uint8 bits (0/1), ``n`` of them."""
     spread = words.reshape(-1).view(torch.uint8).to(torch.int64)
     spread.mul_(_REPLICATE_8).bitwise_and_(_PICK_BITS)
-    # byte k now holds bit (7-k) of the source byte in place; normalise each byte to 0/1
-    as_bytes = spread.view(torch.uint8)
-    return as_bytes[:n].ne(0).view(torch.uint8)
+    # byte k now holds bit (7-k) of the source byte in place. Normalise every byte to 0/1
+    # without a (slow, bool-producing) comparison: adding 0x7F sets bit 7 iff the byte is
+    # non-zero, and cannot carry into the next byte because each byte is at most 0x80.
+    # (shift before masking: the arithmetic shift sign-extends into the top byte)
+    spread.add_(_SEVEN_F).bitwise_right_shift_(7).bitwise_and_(_LOW1_MASK_64)
+    return spread.view(torch.uint8)[:n]
 
 
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:

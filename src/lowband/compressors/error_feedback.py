@@ -61,7 +61,7 @@ class ErrorFeedback(Compressor):
 
     # -- residual management ---------------------------------------------------------------
     def residual(self, name: str) -> torch.Tensor:
-        """The current residual of ``name`` (a live tensor; zeros-shaped unknown names raise)."""
+        """The live residual tensor of ``name`` (``KeyError`` if ``name`` was never compressed)."""
         if name not in self._residuals:
             raise KeyError(f"no residual for {name!r}; known: {sorted(self._residuals)}")
         return self._residuals[name]

@@ -84,7 +84,8 @@ class TwoBitQuantizer(Compressor):
             torch.div(rb, t, out=y)
             y.clamp_(-1.0, 1.0)
             signs = s_buf[:kpad]
-            signs[k:].zero_()
+            if kpad > k:  # only the last block has padding; skip the dispatch otherwise
+                signs[k:].zero_()
             signs[:k].copy_(y)  # fp32 -> int8 truncates toward zero: {-1, 0, +1}
             if residual:
                 y.trunc_()
