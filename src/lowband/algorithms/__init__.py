@@ -5,6 +5,7 @@ from typing import Any
 
 from .base import Algorithm, EngineContext
 from .compressed import CompressedSGD
+from .cpsgd import CPSGD
 from .noop import NoComm
 from .ssgd import SSGD
 
@@ -12,6 +13,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     SSGD.name: SSGD,
     NoComm.name: NoComm,
     CompressedSGD.name: CompressedSGD,
+    CPSGD.name: CPSGD,
 }
 
 
@@ -37,4 +39,4 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "ALGORITHMS", "register", "make_algorithm"]
+__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "ALGORITHMS", "register", "make_algorithm"]

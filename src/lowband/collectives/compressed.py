@@ -107,6 +107,27 @@ class CompressedCollective(ABC):
         """Synchronous convenience: start and wait."""
         return self.start(tensor, name).wait()
 
+    def start_full_precision(self, tensor: torch.Tensor, name: str, flush_residuals: bool = False) -> PendingReduce:
+        """Average ``tensor`` uncompressed (fp32 all-reduce), queued behind earlier jobs on the
+        same background thread. With ``flush_residuals`` the error-feedback memory for
+        ``name`` is added to the contribution and zeroed, so this exact step also delivers what
+        compression held back (CP-SGD's correction step, flushing variant)."""
+        snapshot = tensor.detach().clone()
+        return PendingReduce(self._executor.submit(self._run_full, snapshot, name, flush_residuals), self.comm)
+
+    def _run_full(self, tensor: torch.Tensor, name: str, flush: bool) -> torch.Tensor:
+        if flush:
+            self._flush_into(tensor, name)
+        self.bg_comm.all_reduce(tensor, op=dist.ReduceOp.AVG)
+        return tensor
+
+    def _flush_into(self, tensor: torch.Tensor, name: str) -> None:
+        """Add and zero this rank's residual(s) for ``name``."""
+        if isinstance(self.compressor, ErrorFeedback) and self.compressor.has_residual(name):
+            e = self.compressor.residual(name)
+            tensor.add_(e.reshape(-1))
+            e.zero_()
+
     @abstractmethod
     def _run(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The whole pipeline, on the background thread: compress, communicate, decode, average."""
@@ -190,6 +211,25 @@ class TwoStageAllreduce(CompressedCollective):
             ctx = self.server.context_for(server_ctx.shape, torch.float32, f"{name}/server", server_ctx.step)
             out[i * c:(i + 1) * c] = self.server.decompress(bytes_to_payload(part, server_payload), ctx).reshape(-1)
         return out[:n]
+
+    def _flush_into(self, tensor: torch.Tensor, name: str) -> None:
+        """Worker residuals live per chunk; this rank's server residual covers its own chunk.
+        The server residual is scaled by N because the all-reduce averages contributions."""
+        n, p = tensor.numel(), self.world_size
+        c = self.chunk_numel(n)
+        padded = torch.zeros(c * p, dtype=torch.float32)
+        for i in range(p):
+            key = f"{name}/chunk{i}"
+            if isinstance(self.compressor, ErrorFeedback) and self.compressor.has_residual(key):
+                e = self.compressor.residual(key)
+                padded[i * c:(i + 1) * c].add_(e.reshape(-1))
+                e.zero_()
+        key = f"{name}/server"
+        if isinstance(self.server, ErrorFeedback) and self.server.has_residual(key):
+            e = self.server.residual(key)
+            padded[self.rank * c:(self.rank + 1) * c].add_(e.reshape(-1), alpha=p)
+            e.zero_()
+        tensor.add_(padded[:n])
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "server": self.server.state_dict()}

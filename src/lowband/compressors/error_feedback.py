@@ -66,6 +66,10 @@ class ErrorFeedback(Compressor):
             raise KeyError(f"no residual for {name!r}; known: {sorted(self._residuals)}")
         return self._residuals[name]
 
+    def has_residual(self, name: str) -> bool:
+        """Whether ``name`` has been compressed (and so has a residual) yet."""
+        return name in self._residuals
+
     def reset(self, name: str | None = None) -> None:
         """Drop the residual of ``name`` (or all residuals); they restart from zero."""
         if name is None:
