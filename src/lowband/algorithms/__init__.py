@@ -5,9 +5,16 @@ from typing import Any
 
 from .base import Algorithm, EngineContext
 from .ssgd import SSGD
+from .ddp import DDP, DDPFP16, DDPPowerSGD
+from .localsgd import LocalSGD
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     SSGD.name: SSGD,
+    # peers lowband is compared against (docs/peers.md)
+    DDP.name: DDP,
+    DDPFP16.name: DDPFP16,
+    DDPPowerSGD.name: DDPPowerSGD,
+    LocalSGD.name: LocalSGD,
 }
 
 
@@ -33,4 +40,4 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-__all__ = ["Algorithm", "EngineContext", "SSGD", "ALGORITHMS", "register", "make_algorithm"]
+__all__ = ["Algorithm", "EngineContext", "SSGD", "DDP", "DDPFP16", "DDPPowerSGD", "LocalSGD", "ALGORITHMS", "register", "make_algorithm"]
