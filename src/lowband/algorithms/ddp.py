@@ -64,7 +64,8 @@ class DDP(Algorithm):
         bucket_cap_mb: DDP's ``bucket_cap_mb``. Passed explicitly, so DDP also uses it for its
             first bucket (left unset, DDP caps the first bucket at 1 MiB).
         broadcast_buffers: DDP's default behaviour of broadcasting rank 0's buffers
-            (BatchNorm statistics) before every forward. lowband performs that broadcast
+            (BatchNorm statistics) before every forward (DDP's ``broadcast_buffers``, renamed
+            ``forward_sync_buffers`` in torch 2.13). lowband performs that broadcast
             through its Communicator (a DDP buffer hook) so those bytes are counted too.
     """
 
@@ -92,7 +93,7 @@ class DDP(Algorithm):
         # DDP's own buffer broadcast is replaced by a counted one (see _broadcast_buffers).
         self.ddp = DistributedDataParallel(
             model, process_group=self.ctx.comm.group, bucket_cap_mb=self.bucket_cap_mb,
-            broadcast_buffers=self.broadcast_buffers, init_sync=False)
+            forward_sync_buffers=self.broadcast_buffers, init_sync=False)
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             from torch.nn.parallel.distributed import _BufferCommHookLocation
             self.ddp._register_buffer_comm_hook(self, DDP._broadcast_buffers, _BufferCommHookLocation.PRE_FORWARD)
@@ -230,6 +231,9 @@ class DDPPowerSGD(DDP):
             start_powerSGD_iter=self.start_powerSGD_iter, min_compression_rate=self.min_compression_rate,
             use_error_feedback=self.use_error_feedback, warm_start=self.warm_start,
             orthogonalization_epsilon=self.orthogonalization_epsilon, random_seed=self.random_seed)
+        self._name_of = {id(p): n for n, p in zip(ctx.names, ctx.params)}
+        self._param_of = dict(zip(ctx.names, ctx.params))
+        self._layout: Optional[tuple[str, ...]] = None   # bucket order the memories follow
 
     def _count(self, bucket: dist.GradBucket) -> None:
         """Record the all-reduces ``powerSGD_hook`` is about to issue for this bucket, from
@@ -256,15 +260,61 @@ class DDPPowerSGD(DDP):
             raise RuntimeError("ddp-powersgd: DDP made a second bucket; the layer-wise PowerSGD hook is only "
                                "safe on gloo with one bucket (raise bucket_cap_mb)")
         self._mark_ready()
+        self._follow_layout(bucket)
         self._count(bucket)
         return psgd.powerSGD_hook(self.state, bucket).then(lambda fut: self._mark_done(fut.value()))
+
+    # -- bucket layout -------------------------------------------------------------------
+    def _follow_layout(self, bucket: dist.GradBucket) -> None:
+        """Keep PowerSGD's flat per-bucket memories aligned with the bucket's parameter order.
+
+        A fresh DDP orders its first bucket by registration and, after one backward,
+        rebuilds it in gradient-ready order. In a fresh run the memories do not exist yet
+        at that point, but after a resume they do, and PyTorch would silently apply them to
+        the wrong parameters (same length, different order). The memories are permuted
+        parameter by parameter whenever the order changes."""
+        layout = tuple(self._name_of[id(p)] for p in bucket.parameters())
+        if self._layout is not None and layout != self._layout:
+            old, new = self._slices(self._layout), self._slices(layout)
+            for memory, kind in ((self.state.error_dict, 0), (self.state.p_memory_dict, 1),
+                                 (self.state.q_memory_dict, 2)):
+                if 0 in memory:
+                    memory[0] = _permute(memory[0], old[kind], new[kind])
+        self._layout = layout
+
+    def _slices(self, layout: tuple[str, ...]) -> tuple[dict[str, slice], dict[str, slice], dict[str, slice]]:
+        """Where each parameter lives in the flat error, P and Q memories for ``layout``: the
+        error follows bucket order; P and Q hold the compressed matrices grouped by shape in
+        order of first appearance, as ``powerSGD_hook`` lays them out."""
+        error: dict[str, slice] = {}
+        by_shape: dict[tuple[int, int], list[str]] = {}
+        offset = 0
+        for name in layout:
+            param = self._param_of[name]
+            error[name] = slice(offset, offset + param.numel())
+            offset += param.numel()
+            n, m = param.view(param.shape[0], -1).shape
+            r = min(n, m, self.matrix_approximation_rank)
+            if psgd._should_compress(n, m, r, self.min_compression_rate)[0]:
+                by_shape.setdefault((n, m), []).append(name)
+        p_slices: dict[str, slice] = {}
+        q_slices: dict[str, slice] = {}
+        p_off = q_off = 0
+        for (n, m), names in by_shape.items():
+            r = min(n, m, self.matrix_approximation_rank)
+            for name in names:
+                p_slices[name] = slice(p_off, p_off + n * r)
+                q_slices[name] = slice(q_off, q_off + m * r)
+                p_off += n * r
+                q_off += m * r
+        return error, p_slices, q_slices
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """PowerSGD's memories as tensors and plain numbers only, so that
         ``torch.load(weights_only=True)`` reads a checkpoint (``PowerSGDState`` itself pickles a
-        numpy RandomState). Keyed by DDP bucket index; a resumed run must build the same
-        single bucket, which the one-bucket rule guarantees."""
+        numpy RandomState). Memories are flat over the single bucket; ``layout`` (parameter
+        names in bucket order) lets a resumed run re-align them to its own bucket order."""
         s = self.state
         kind, keys, pos, has_gauss, cached = s.rng.get_state()
         return {
@@ -275,6 +325,7 @@ class DDPPowerSGD(DDP):
             "rng_keys": torch.from_numpy(keys.astype(np.int64)),
             "rng_pos": int(pos), "rng_has_gauss": int(has_gauss), "rng_cached_gaussian": float(cached),
             "numel_before": s.total_numel_before_compression, "numel_after": s.total_numel_after_compression,
+            "layout": list(self._layout or ()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,6 +338,15 @@ class DDPPowerSGD(DDP):
                          state["rng_has_gauss"], state["rng_cached_gaussian"]))
         s.total_numel_before_compression = int(state["numel_before"])
         s.total_numel_after_compression = int(state["numel_after"])
+        self._layout = tuple(state["layout"]) or None
+
+
+def _permute(flat: torch.Tensor, old: dict[str, slice], new: dict[str, slice]) -> torch.Tensor:
+    """``flat`` laid out by ``old`` rearranged into the ``new`` layout (same parameters)."""
+    out = torch.empty_like(flat)
+    for name, where in new.items():
+        out[where] = flat[old[name]]
+    return out
 
 
 def _all_reduce_bytes(nbytes: int, world_size: int) -> tuple[int, float, float]:
