@@ -8,12 +8,19 @@ from .compressed import CompressedSGD
 from .cpsgd import CPSGD
 from .noop import NoComm
 from .ssgd import SSGD
+from .ddp import DDP, DDPFP16, DDPPowerSGD
+from .localsgd import LocalSGD
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     SSGD.name: SSGD,
     NoComm.name: NoComm,
     CompressedSGD.name: CompressedSGD,
     CPSGD.name: CPSGD,
+    # peers lowband is compared against (docs/peers.md)
+    DDP.name: DDP,
+    DDPFP16.name: DDPFP16,
+    DDPPowerSGD.name: DDPPowerSGD,
+    LocalSGD.name: LocalSGD,
 }
 
 
@@ -39,4 +46,8 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
+<<<<<<< HEAD
 __all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "ALGORITHMS", "register", "make_algorithm"]
+=======
+__all__ = ["Algorithm", "EngineContext", "SSGD", "DDP", "DDPFP16", "DDPPowerSGD", "LocalSGD", "ALGORITHMS", "register", "make_algorithm"]
+>>>>>>> peers
