@@ -46,8 +46,5 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-<<<<<<< HEAD
-__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "ALGORITHMS", "register", "make_algorithm"]
-=======
-__all__ = ["Algorithm", "EngineContext", "SSGD", "DDP", "DDPFP16", "DDPPowerSGD", "LocalSGD", "ALGORITHMS", "register", "make_algorithm"]
->>>>>>> peers
+__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "DDP", "DDPFP16", "DDPPowerSGD",
+           "LocalSGD", "ALGORITHMS", "register", "make_algorithm"]
