@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import lowband
-from lowband.algorithms.buckets import plan_buckets
 from lowband.compressors import ErrorFeedback, make_compressor
 from lowband.data import ShardedBatches, make_synthetic
 
@@ -69,7 +68,6 @@ def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Opt
     opt = sgd(global_model)
     params = list(global_model.parameters())
     names = [n for n, _ in global_model.named_parameters()]
-    buckets = plan_buckets(params, range(len(params)), int(BUCKET_MB * (1 << 20)))
     workers = [copy.deepcopy(global_model) for _ in range(world)]
     efs = [ErrorFeedback(make_compressor(codec["name"], **codec["options"])) if codec else None for _ in range(world)]
     iters = [batches(r, world).epoch(0) for r in range(world)]
@@ -97,20 +95,12 @@ def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Opt
             c = [sum(g[i] for g in grads) / world for i in range(len(params))]
         else:
             c = [None] * len(params)
-            for b in buckets:
-                total = None
+            for i in range(len(params)):      # layer-wise codec, residual keyed by parameter name
+                total = torch.zeros(params[i].numel())
                 for r in range(world):
-                    flat = torch.cat([grads[r][i].reshape(-1) for i in b])
-                    key = f"{names[b[0]]}..{names[b[-1]]}"
-                    payload, ctx = efs[r].compress(flat, key)
-                    dec = efs[r].decompress(payload, ctx).reshape(-1)
-                    total = dec.clone() if total is None else total + dec
-                total /= world
-                off = 0
-                for i in b:
-                    n = params[i].numel()
-                    c[i] = total[off:off + n].view_as(params[i]).clone()
-                    off += n
+                    payload, ctx = efs[r].compress(grads[r][i].reshape(-1), names[i])
+                    total += efs[r].decompress(payload, ctx).reshape(-1)
+                c[i] = (total / world).view_as(params[i])
         if pending is not None:
             apply(pending)
         for r, w in enumerate(workers):

@@ -41,9 +41,10 @@ class CompressedSGD(Algorithm):
             its own). Without it biased codecs stall.
         bucket_mb / overlap: as for ``ssgd``.
 
+    Each parameter is compressed on its own (layer-wise scales and thresholds) and its
+    residual is keyed by its name; all parameters of a bucket travel in one collective.
     Parameters that got no gradient on a rank contribute zeros; every trainable parameter then
-    receives the averaged (possibly zero) gradient. Residuals are keyed by the names of the
-    parameters a bucket spans, so they survive a checkpoint with the same model and bucket cap.
+    receives the averaged (possibly zero) gradient.
     """
 
     compressor: str = "2bit"
@@ -69,10 +70,10 @@ class CompressedSGD(Algorithm):
         codec = build_compressor(self.compressor, self.compressor_options, self.error_feedback)
         self.reducer: CompressedCollective = make_collective(self.collective, ctx.comm, codec)
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
-        self.keys = [bucket_key(ctx.names, b.param_indices) for b in self.buckets.buckets]
+        self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
 
     def _launch(self, b: Bucket):
-        return self.reducer.start(b.grads, self.keys[b.index])
+        return self.reducer.start(b.grads, f"bucket{b.index}", self.segments[b.index])
 
     def on_gradient_ready(self, index: int) -> None:
         self.buckets.mark_ready(index, overlap=self.overlap)
@@ -96,6 +97,6 @@ class CompressedSGD(Algorithm):
         self.reducer.close()
 
 
-def bucket_key(names: list[str], indices: list[int]) -> str:
-    """A stable name for a bucket: the first and last parameter it holds."""
-    return f"{names[indices[0]]}..{names[indices[-1]]}"
+def bucket_segments(names: list[str], params: list, indices: list[int]) -> list[tuple[str, int]]:
+    """``(parameter name, numel)`` for each parameter of a bucket, in bucket order."""
+    return [(names[i], params[i].numel()) for i in indices]

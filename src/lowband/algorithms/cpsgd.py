@@ -27,7 +27,7 @@ from ..collectives.compressed import COLLECTIVES, PendingReduce, make_collective
 from ..compressors import COMPRESSORS
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from .compressed import bucket_key, build_compressor
+from .compressed import bucket_segments, build_compressor
 from .ssgd import MIB
 
 LOCAL_UPDATES = ("sgd", "optimizer", "none")
@@ -92,7 +92,7 @@ class CPSGD(Algorithm):
         codec = build_compressor(self.compressor, self.compressor_options, error_feedback=True)
         self.reducer = make_collective(self.collective, ctx.comm, codec)
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
-        self.keys = [bucket_key(ctx.names, b.param_indices) for b in self.buckets.buckets]
+        self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         self.t = 0                                   # iterations completed
         self.global_weights: Optional[list[torch.Tensor]] = None   # W while pipelining
         self.in_flight: Optional[list[PendingReduce]] = None       # step t-1's averages
@@ -109,11 +109,11 @@ class CPSGD(Algorithm):
 
     # -- iteration ----------------------------------------------------------------------
     def _launch(self, b: Bucket) -> PendingReduce:
-        key = self.keys[b.index]
+        key, segments = f"bucket{b.index}", self.segments[b.index]
         if self.is_correction(self.t):
             flush = self.flush_residual_on_correction and not self.in_warmup(self.t)
-            return self.reducer.start_full_precision(b.grads, key, flush_residuals=flush)
-        return self.reducer.start(b.grads, key)
+            return self.reducer.start_full_precision(b.grads, key, segments, flush_residuals=flush)
+        return self.reducer.start(b.grads, key, segments)
 
     def on_gradient_ready(self, index: int) -> None:
         self.buckets.mark_ready(index)

@@ -23,11 +23,10 @@ per payload tensor); their sizes depend only on the tensor's shape, so no size e
 """
 from __future__ import annotations
 
-import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,8 +71,17 @@ class PendingReduce:
         return self._future.done()
 
 
+Segments = Sequence[tuple[str, int]]
+
+
 class CompressedCollective(ABC):
     """Averages a flat fp32 tensor across ranks through a compressor, asynchronously.
+
+    The tensor is a concatenation of *segments* (normally one per parameter, named after it):
+    each segment is compressed on its own, so scale-dependent codecs (1-bit's scale, a 2-bit
+    threshold, top-k's selection) see one layer's gradient rather than a mix of layers whose
+    magnitudes differ by orders of magnitude, and error-feedback residuals are keyed by
+    parameter name. All segments of one call still travel in one collective.
 
     Args:
         comm: the caller's counted communicator (its stats receive the bytes; its group is
@@ -91,45 +99,54 @@ class CompressedCollective(ABC):
         self.world_size = comm.world_size
         self.rank = comm.rank
         # a private group for the background thread (created collectively, same order on all ranks)
-        ranks = list(range(dist.get_world_size(comm.group))) if comm.group is not None else None
-        group = dist.new_group(ranks=ranks) if self.world_size > 1 else comm.group
+        group = dist.new_group(ranks=list(range(self.world_size))) if self.world_size > 1 else comm.group
         self.bg_comm = Communicator(group, comm.stats, time_waits=False)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lowband-{self.name}")
-        self._error: Optional[BaseException] = None
 
-    def start(self, tensor: torch.Tensor, name: str) -> PendingReduce:
+    @staticmethod
+    def _segments(tensor: torch.Tensor, name: str, segments: Optional[Segments]) -> list[tuple[str, int]]:
+        segs = [(name, tensor.numel())] if segments is None else list(segments)
+        if sum(n for _, n in segs) != tensor.numel():
+            raise ValueError(f"segments of {name!r} cover {sum(n for _, n in segs)} elements, tensor has {tensor.numel()}")
+        return segs
+
+    def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None) -> PendingReduce:
         """Begin averaging ``tensor`` (flat fp32). It is copied first, so the caller may
-        overwrite it as soon as ``start`` returns. ``name`` keys error-feedback residuals."""
+        overwrite it as soon as ``start`` returns. ``segments`` — ``(name, numel)`` pairs
+        covering the tensor — default to one segment called ``name``."""
+        segs = self._segments(tensor, name, segments)
         snapshot = tensor.detach().clone()
-        return PendingReduce(self._executor.submit(self._run, snapshot, name), self.comm)
+        return PendingReduce(self._executor.submit(self._run, snapshot, segs), self.comm)
 
-    def reduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None) -> torch.Tensor:
         """Synchronous convenience: start and wait."""
-        return self.start(tensor, name).wait()
+        return self.start(tensor, name, segments).wait()
 
-    def start_full_precision(self, tensor: torch.Tensor, name: str, flush_residuals: bool = False) -> PendingReduce:
+    def start_full_precision(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None,
+                             flush_residuals: bool = False) -> PendingReduce:
         """Average ``tensor`` uncompressed (fp32 all-reduce), queued behind earlier jobs on the
-        same background thread. With ``flush_residuals`` the error-feedback memory for
-        ``name`` is added to the contribution and zeroed, so this exact step also delivers what
+        same background thread. With ``flush_residuals`` the error-feedback memory of each
+        segment is added to the contribution and zeroed, so this exact step also delivers what
         compression held back (CP-SGD's correction step, flushing variant)."""
+        segs = self._segments(tensor, name, segments)
         snapshot = tensor.detach().clone()
-        return PendingReduce(self._executor.submit(self._run_full, snapshot, name, flush_residuals), self.comm)
+        return PendingReduce(self._executor.submit(self._run_full, snapshot, segs, flush_residuals), self.comm)
 
-    def _run_full(self, tensor: torch.Tensor, name: str, flush: bool) -> torch.Tensor:
+    def _run_full(self, tensor: torch.Tensor, segments: list[tuple[str, int]], flush: bool) -> torch.Tensor:
         if flush:
-            self._flush_into(tensor, name)
+            offset = 0
+            for seg_name, n in segments:
+                self._flush_into(tensor[offset:offset + n], seg_name)
+                offset += n
         self.bg_comm.all_reduce(tensor, op=dist.ReduceOp.AVG)
         return tensor
 
-    def _flush_into(self, tensor: torch.Tensor, name: str) -> None:
-        """Add and zero this rank's residual(s) for ``name``."""
-        if isinstance(self.compressor, ErrorFeedback) and self.compressor.has_residual(name):
-            e = self.compressor.residual(name)
-            tensor.add_(e.reshape(-1))
-            e.zero_()
+    def _flush_into(self, segment: torch.Tensor, name: str) -> None:
+        """Add and zero this rank's residual(s) for one segment."""
+        _take_residual(self.compressor, name, segment)
 
     @abstractmethod
-    def _run(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    def _run(self, tensor: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
         """The whole pipeline, on the background thread: compress, communicate, decode, average."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -142,25 +159,45 @@ class CompressedCollective(ABC):
         self._executor.shutdown(wait=True)
 
 
+def _take_residual(codec: Compressor, name: str, into: torch.Tensor, scale: float = 1.0) -> None:
+    """``into += scale * residual(name)`` and zero the residual (no-op without one)."""
+    if isinstance(codec, ErrorFeedback) and codec.has_residual(name):
+        e = codec.residual(name)
+        into.add_(e.reshape(-1)[:into.numel()], alpha=scale)
+        e.zero_()
+
+
 class AllgatherCollective(CompressedCollective):
     """Exact sum of every rank's decoded payload (divided by N), via one all_gather."""
 
     name = "allgather"
 
-    def _run(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        payload, ctx = self.compressor.compress(tensor, name)
-        buf = payload_to_bytes(payload)
+    def _run(self, tensor: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
+        payloads, ctxs, offset = [], [], 0
+        for seg_name, n in segments:
+            pl, ctx = self.compressor.compress(tensor[offset:offset + n], seg_name)
+            payloads.append(pl)
+            ctxs.append(ctx)
+            offset += n
+        like = [t for pl in payloads for t in pl]
+        buf = payload_to_bytes(like)
         gathered = torch.empty(self.world_size * buf.numel(), dtype=torch.uint8)
         self.bg_comm.all_gather(gathered, buf)
-        total = torch.zeros(ctx.numel, dtype=torch.float32)
-        for r, part in enumerate(gathered.view(self.world_size, -1)):
-            decoded = self.compressor.decompress(bytes_to_payload(part, payload), ctx)
-            total.add_(decoded.reshape(-1).to(torch.float32))
+        total = torch.zeros(tensor.numel(), dtype=torch.float32)
+        for part in gathered.view(self.world_size, -1):
+            tensors, offset, k = bytes_to_payload(part, like), 0, 0
+            for pl, ctx in zip(payloads, ctxs):
+                decoded = self.compressor.decompress(tensors[k:k + len(pl)], ctx)
+                total[offset:offset + ctx.numel].add_(decoded.reshape(-1).to(torch.float32))
+                offset += ctx.numel
+                k += len(pl)
         return total.div_(self.world_size)
 
 
 class TwoStageAllreduce(CompressedCollective):
     """Compressed reduce-scatter (all_to_all) + server-side re-compression + all_gather.
+
+    Each segment is zero-padded to N equal chunks; rank i owns chunk i of every segment.
 
     Args:
         server_compressor: codec used by each chunk's owner to re-compress the averaged
@@ -178,58 +215,69 @@ class TwoStageAllreduce(CompressedCollective):
         self.server = server_compressor
 
     def chunk_numel(self, numel: int) -> int:
-        """Elements per chunk: ceil(numel / N) (the tensor is zero-padded to N chunks)."""
+        """Elements per chunk: ceil(numel / N) (each segment is zero-padded to N chunks)."""
         return -(-numel // self.world_size)
 
-    def _run(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        n, p = tensor.numel(), self.world_size
-        c = self.chunk_numel(n)
-        padded = torch.zeros(c * p, dtype=torch.float32)
-        padded[:n] = tensor.reshape(-1)
-        # stage 1: worker-side compression of each chunk, chunk i to rank i
-        payloads, ctxs = [], []
-        for i, chunk in enumerate(padded.view(p, c)):
-            pl, ctx = self.compressor.compress(chunk, f"{name}/chunk{i}")
-            payloads.append(pl)
-            ctxs.append(ctx)
-        send = torch.cat([payload_to_bytes(pl) for pl in payloads])
+    def _run(self, tensor: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
+        p = self.world_size
+        # stage 1: worker-side compression of chunk i of every segment, sent to rank i
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(p)]
+        mine_ctx, offset = [], 0
+        for seg_name, n in segments:
+            c = self.chunk_numel(n)
+            padded = torch.zeros(c * p, dtype=torch.float32)
+            padded[:n] = tensor[offset:offset + n]
+            offset += n
+            for i, chunk in enumerate(padded.view(p, c)):
+                pl, ctx = self.compressor.compress(chunk, f"{seg_name}/chunk{i}")
+                per_rank[i].extend(pl)
+                if i == self.rank:
+                    mine_ctx.append((pl, ctx))
+        send = torch.cat([payload_to_bytes(pls) for pls in per_rank])
         recv = torch.empty_like(send)
         self.bg_comm.all_to_all(recv, send)
-        # the owner averages the N versions of its chunk and re-compresses with its residual
-        mine = torch.zeros(c, dtype=torch.float32)
-        like = payloads[self.rank]
-        for part in recv.view(p, -1):
-            mine.add_(self.compressor.decompress(bytes_to_payload(part, like), ctxs[self.rank]).reshape(-1))
-        mine.div_(p)
-        server_payload, server_ctx = self.server.compress(mine, f"{name}/server")
-        # stage 2: every rank gets every owner's re-compressed chunk
-        sbuf = payload_to_bytes(server_payload)
+        # the owner averages the N versions of its chunks and re-compresses with its residual
+        like = per_rank[self.rank]
+        server_payloads, server_ctxs = [], []
+        versions = [bytes_to_payload(part, like) for part in recv.view(p, -1)]
+        k = 0
+        for (seg_name, _), (pl, ctx) in zip(segments, mine_ctx):
+            avg = torch.zeros(ctx.numel, dtype=torch.float32)
+            for tensors in versions:
+                avg.add_(self.compressor.decompress(tensors[k:k + len(pl)], ctx).reshape(-1))
+            avg.div_(p)
+            k += len(pl)
+            spl, sctx = self.server.compress(avg, f"{seg_name}/server")
+            server_payloads.append(spl)
+            server_ctxs.append(sctx)
+        # stage 2: every rank gets every owner's re-compressed chunks
+        slike = [t for spl in server_payloads for t in spl]
+        sbuf = payload_to_bytes(slike)
         gathered = torch.empty(p * sbuf.numel(), dtype=torch.uint8)
         self.bg_comm.all_gather(gathered, sbuf)
-        out = torch.empty(c * p, dtype=torch.float32)
-        for i, part in enumerate(gathered.view(p, -1)):
-            ctx = self.server.context_for(server_ctx.shape, torch.float32, f"{name}/server", server_ctx.step)
-            out[i * c:(i + 1) * c] = self.server.decompress(bytes_to_payload(part, server_payload), ctx).reshape(-1)
-        return out[:n]
+        out = torch.empty(tensor.numel(), dtype=torch.float32)
+        owners = [bytes_to_payload(part, slike) for part in gathered.view(p, -1)]
+        offset, k = 0, 0
+        for (seg_name, n), spl, sctx in zip(segments, server_payloads, server_ctxs):
+            c = self.chunk_numel(n)
+            full = torch.empty(c * p, dtype=torch.float32)
+            for i, tensors in enumerate(owners):
+                full[i * c:(i + 1) * c] = self.server.decompress(tensors[k:k + len(spl)], sctx).reshape(-1)
+            out[offset:offset + n] = full[:n]
+            offset += n
+            k += len(spl)
+        return out
 
-    def _flush_into(self, tensor: torch.Tensor, name: str) -> None:
+    def _flush_into(self, segment: torch.Tensor, name: str) -> None:
         """Worker residuals live per chunk; this rank's server residual covers its own chunk.
         The server residual is scaled by N because the all-reduce averages contributions."""
-        n, p = tensor.numel(), self.world_size
+        n, p = segment.numel(), self.world_size
         c = self.chunk_numel(n)
         padded = torch.zeros(c * p, dtype=torch.float32)
         for i in range(p):
-            key = f"{name}/chunk{i}"
-            if isinstance(self.compressor, ErrorFeedback) and self.compressor.has_residual(key):
-                e = self.compressor.residual(key)
-                padded[i * c:(i + 1) * c].add_(e.reshape(-1))
-                e.zero_()
-        key = f"{name}/server"
-        if isinstance(self.server, ErrorFeedback) and self.server.has_residual(key):
-            e = self.server.residual(key)
-            padded[self.rank * c:(self.rank + 1) * c].add_(e.reshape(-1), alpha=p)
-            e.zero_()
-        tensor.add_(padded[:n])
+            _take_residual(self.compressor, f"{name}/chunk{i}", padded[i * c:(i + 1) * c])
+        _take_residual(self.server, f"{name}/server", padded[self.rank * c:(self.rank + 1) * c], scale=p)
+        segment.add_(padded[:n])
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "server": self.server.state_dict()}
