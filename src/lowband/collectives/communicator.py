@@ -121,7 +121,7 @@ class Communicator:
         n, p = self._nbytes(tensor), self.world_size
         self.stats.record("all_gather", n, (p - 1) * n, (p - 1) * n)
         if p > 1:
-            work = dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.group, async_op=True)
+            work = _all_gather_single(output, tensor.contiguous(), group=self.group, async_op=True)
         else:
             output.view(-1).copy_(tensor.view(-1))
             work = None
@@ -146,6 +146,10 @@ class Communicator:
         self.stats.record("broadcast", n, sent, received)
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True) if p > 1 else None
         return self._finish(work, async_op)
+
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
