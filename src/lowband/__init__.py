@@ -3,9 +3,9 @@
     import lowband
     engine = lowband.distribute(model, optimizer, algorithm="ssgd")
 """
-from .algorithms import ALGORITHMS, CPSGD, SSGD, Algorithm, CompressedSGD, make_algorithm, register
+from .algorithms import ALGORITHMS, CPSGD, SSGD, Algorithm, CompressedSGD, LazyUpdate, make_algorithm, register
 from .engine import Engine, distribute
 
 __version__ = "0.1.0"
 
-__all__ = ["distribute", "Engine", "Algorithm", "SSGD", "CompressedSGD", "CPSGD", "ALGORITHMS", "make_algorithm", "register", "__version__"]
+__all__ = ["distribute", "Engine", "Algorithm", "SSGD", "CompressedSGD", "CPSGD", "LazyUpdate", "ALGORITHMS", "make_algorithm", "register", "__version__"]

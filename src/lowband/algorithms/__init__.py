@@ -6,6 +6,7 @@ from typing import Any
 from .base import Algorithm, EngineContext
 from .compressed import CompressedSGD
 from .cpsgd import CPSGD
+from .lazy import LazyUpdate
 from .noop import NoComm
 from .ssgd import SSGD
 from .ddp import DDP, DDPFP16, DDPPowerSGD
@@ -16,6 +17,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     NoComm.name: NoComm,
     CompressedSGD.name: CompressedSGD,
     CPSGD.name: CPSGD,
+    LazyUpdate.name: LazyUpdate,
     # peers lowband is compared against (docs/peers.md)
     DDP.name: DDP,
     DDPFP16.name: DDPFP16,
@@ -46,5 +48,5 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "DDP", "DDPFP16", "DDPPowerSGD",
+__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "LazyUpdate", "DDP", "DDPFP16", "DDPPowerSGD",
            "LocalSGD", "ALGORITHMS", "register", "make_algorithm"]
