@@ -64,7 +64,7 @@ class CPSGD(Algorithm):
     warmup_steps: int = 50
     correction_period: Optional[int] = 5
     flush_residual_on_correction: bool = False
-    local_update: str = "sgd"
+    local_update: str = "optimizer"
     local_lr: Optional[float] = None
 
     name: ClassVar[str] = "cpsgd"
