@@ -6,6 +6,8 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from .metrics import format_table
+
 BENCH_BEGIN = "<!-- lowband-bench:begin -->"
 BENCH_END = "<!-- lowband-bench:end -->"
 
@@ -51,12 +53,7 @@ def derive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns=COLUMNS) -> str:
-    def cell(row, key, fmt):
-        v = row.get(key)
-        return "-" if v is None else fmt.format(v)
-    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    lines += ["| " + " | ".join(cell(r, k, f) for _, k, f in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    return format_table(rows, columns)
 
 
 def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
