@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.collectives.communicator import Communicator
-from lowband.collectives.compressed import AllgatherCollective, TwoStageAllreduce, payload_to_bytes
+from lowband.collectives.compressed import AllgatherCollective, TwoStageAllreduce
 from lowband.compressors import ErrorFeedback, make_compressor
 
 from .distributed import run_distributed

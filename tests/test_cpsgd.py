@@ -10,53 +10,27 @@ import torch.nn.functional as F
 
 import lowband
 from lowband.compressors import ErrorFeedback, make_compressor
-from lowband.data import ShardedBatches, make_synthetic
 
 from .distributed import run_distributed
-from .test_ssgd import SmallNet, max_rel_err
+from .training import SmallNet, batches, make_optimizer, max_rel_err, run_algorithm
 
 STEPS = 12
-LOCAL_BATCH = 8
 BUCKET_MB = 0.01
-LR = 0.05
+LR = 0.05   # make_optimizer's SGD learning rate
 
 
 def sgd(model):
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-3)
-
-
-def batches(rank, world):
-    return ShardedBatches(make_synthetic(1024, seed=1), LOCAL_BATCH, rank, world, seed=3)
+    return make_optimizer("sgd", model)
 
 
 def _run_lowband(rank: int, world: int, options: dict, steps: int = STEPS):
-    torch.manual_seed(0)
-    model = SmallNet()
-    opt = sgd(model)
-    engine = lowband.distribute(model, opt, "cpsgd", **options)
-    it = batches(rank, world).epoch(0)
-    for _ in range(steps):
-        x, y = next(it)
-        opt.zero_grad()
-        F.cross_entropy(engine.module(x), y).backward()
-        engine.step()
-    engine.synchronize()
+    params, engine = run_algorithm(rank, world, "cpsgd", options, steps)
     engine.close()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params
 
 
 def _run_ssgd(rank: int, world: int):
-    torch.manual_seed(0)
-    model = SmallNet()
-    opt = sgd(model)
-    engine = lowband.distribute(model, opt, "ssgd", bucket_mb=BUCKET_MB)
-    it = batches(rank, world).epoch(0)
-    for _ in range(STEPS):
-        x, y = next(it)
-        opt.zero_grad()
-        F.cross_entropy(engine.module(x), y).backward()
-        engine.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run_algorithm(rank, world, "ssgd", {"bucket_mb": BUCKET_MB}, STEPS)[0]
 
 
 def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Optional[dict]):

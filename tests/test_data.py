@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
 import struct
 
 import numpy as np

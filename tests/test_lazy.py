@@ -9,14 +9,12 @@ import torch.nn.functional as F
 
 import lowband
 from lowband.algorithms.lazy import input_side_layers, interval_update, vote_update
-from lowband.data import ShardedBatches, make_synthetic
 from lowband.models import ResNet20
 
 from .distributed import run_distributed
-from .test_ssgd import SmallNet, max_rel_err
+from .training import SmallNet, batches, make_optimizer, max_rel_err, run_algorithm
 
 STEPS = 24
-LOCAL_BATCH = 8
 
 
 def test_interval_rule_cases():
@@ -51,40 +49,16 @@ def test_input_side_layers_of_resnet20_skip_norms():
 
 
 def sgd(model):
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-
-
-def batches(rank, world):
-    return ShardedBatches(make_synthetic(1024, seed=1), LOCAL_BATCH, rank, world, seed=3)
+    return make_optimizer("sgd", model)
 
 
 def _run(rank: int, world: int, options: dict):
-    torch.manual_seed(0)
-    model = SmallNet()
-    opt = sgd(model)
-    engine = lowband.distribute(model, opt, "lazy", **options)
-    it = batches(rank, world).epoch(0)
-    for _ in range(STEPS):
-        x, y = next(it)
-        opt.zero_grad()
-        F.cross_entropy(engine.module(x), y).backward()
-        engine.step()
-    engine.synchronize()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, list(engine.algorithm.history)
+    params, engine = run_algorithm(rank, world, "lazy", options, STEPS)
+    return params, list(engine.algorithm.history)
 
 
 def _ssgd(rank: int, world: int):
-    torch.manual_seed(0)
-    model = SmallNet()
-    opt = sgd(model)
-    engine = lowband.distribute(model, opt, "ssgd")
-    it = batches(rank, world).epoch(0)
-    for _ in range(STEPS):
-        x, y = next(it)
-        opt.zero_grad()
-        F.cross_entropy(engine.module(x), y).backward()
-        engine.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run_algorithm(rank, world, "ssgd", {}, STEPS)[0]
 
 
 def simulate(world: int, lazy_names: list[str], variant: str):

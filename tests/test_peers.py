@@ -16,7 +16,7 @@ from lowband.algorithms import make_algorithm
 from lowband.data import ShardedBatches, make_synthetic
 
 from .distributed import run_distributed
-from .test_ssgd import SmallNet, max_rel_err
+from .training import SmallNet, max_rel_err
 
 WORLD = 2
 LOCAL_BATCH = 16
@@ -30,7 +30,8 @@ def _batches(rank: int, world: int) -> ShardedBatches:
 def _train(algorithm: "str | None", rank: int, world: int, steps: int = STEPS, *, bn: bool = False,
            momentum: float = 0.9, **opts):
     """Train SmallNet for ``steps`` with a lowband algorithm (or plain torch DDP when None).
-    Returns (parameters, engine stats or None, per-step losses, engine or None)."""
+    Returns (parameters, engine stats of the training steps alone — the initial broadcast at
+    ``distribute`` excluded — or None, per-step losses, engine or None)."""
     torch.manual_seed(0)
     model = SmallNet(bn=bn)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
@@ -39,6 +40,7 @@ def _train(algorithm: "str | None", rank: int, world: int, steps: int = STEPS, *
     else:
         engine = lowband.distribute(model, opt, algorithm, **opts)
         forward, step = engine.module, engine.step
+        setup = engine.stats.snapshot()
     losses = []
     it = _batches(rank, world).epoch(0)
     for _ in range(steps):
@@ -49,7 +51,16 @@ def _train(algorithm: "str | None", rank: int, world: int, steps: int = STEPS, *
         step()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return params, (engine.stats.snapshot() if engine else None), losses, engine
+    return params, (stats_since(engine.stats.snapshot(), setup) if engine else None), losses, engine
+
+
+def stats_since(after: dict, before: dict) -> dict:
+    """Counter differences (per-op entries too)."""
+    out = {k: v - before[k] for k, v in after.items() if isinstance(v, (int, float))}
+    out["by_op"] = {op: [c - before["by_op"].get(op, [0, 0])[0], b - before["by_op"].get(op, [0, 0])[1]]
+                    for op, (c, b) in after["by_op"].items()}
+    out["by_op"] = {op: v for op, v in out["by_op"].items() if v[0]}
+    return out
 
 
 def _numel(model: nn.Module) -> int:
@@ -183,11 +194,12 @@ def _localsgd(rank: int, world: int):
     p4, s4, _, engine = _train("localsgd", rank, world, steps=steps, period=period, warmup_steps=warmup)
     out["before_drain"] = p4
     out["period4_calls"] = s4["calls"]
+    calls_before_drain = engine.stats.calls
     engine.synchronize()
     out["after_drain"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    out["drain_calls"] = engine.stats.calls - s4["calls"]
+    out["drain_calls"] = engine.stats.calls - calls_before_drain
     engine.synchronize()   # already in sync: no further communication
-    out["second_drain_calls"] = engine.stats.calls - s4["calls"] - out["drain_calls"]
+    out["second_drain_calls"] = engine.stats.calls - calls_before_drain - out["drain_calls"]
     out["state"] = engine.state_dict()["algorithm"]
     out["numel"] = numel
     return out

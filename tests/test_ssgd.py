@@ -3,88 +3,40 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband.data import ShardedBatches, make_synthetic
 
 from .distributed import run_distributed
+from .training import LOCAL_BATCH, SmallNet, batches, make_optimizer, max_rel_err, run_algorithm, train
 
 STEPS = 20
-LOCAL_BATCH = 8
-
-
-class SmallNet(nn.Module):
-    """Conv (+ BatchNorm) + linear. BatchNorm normalises with per-worker batch statistics, so
-    only the model without it can equal single-process large-batch training; with it, lowband
-    must still equal DDP."""
-
-    def __init__(self, bn: bool = False):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 5, stride=2)
-        self.bn = nn.BatchNorm2d(4) if bn else nn.Identity()
-        self.fc1 = nn.Linear(4 * 12 * 12, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = F.relu(self.bn(self.conv(x)))
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def make_optimizer(kind: str, model: nn.Module):
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    return torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-3)
-
-
-def train(model, optimizer, batches, step_fn, steps=STEPS, forward=None):
-    forward = forward or model
-    it = batches.epoch(0)
-    for _ in range(steps):
-        x, y = next(it)
-        optimizer.zero_grad()
-        F.cross_entropy(forward(x), y).backward()
-        step_fn()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _reference(world: int, kind: str):
     torch.manual_seed(0)
     model = SmallNet(bn=False)
     opt = make_optimizer(kind, model)
-    data = make_synthetic(1024, seed=1)
-    return train(model, opt, ShardedBatches(data, LOCAL_BATCH * world, 0, 1, seed=3), opt.step)
+    return train(model, opt, batches(0, 1, LOCAL_BATCH * world), opt.step, STEPS)
 
 
 def _lowband(rank: int, world: int, kind: str, bucket_mb: float, bn: bool):
-    data = make_synthetic(1024, seed=1)
-    torch.manual_seed(0)
-    model = SmallNet(bn)
-    opt = make_optimizer(kind, model)
-    engine = lowband.distribute(model, opt, lowband.SSGD(bucket_mb=bucket_mb))
-    params = train(model, opt, ShardedBatches(data, LOCAL_BATCH, rank, world, seed=3), engine.step, forward=engine.module)
+    params, engine = run_algorithm(rank, world, "ssgd", {"bucket_mb": bucket_mb}, STEPS, kind, bn)
     assert engine.stats.steps == STEPS and engine.stats.bytes_sent > 0
     return params
 
 
 def _ddp(rank: int, world: int, kind: str, bn: bool):
-    data = make_synthetic(1024, seed=1)
     torch.manual_seed(0)
     model = SmallNet(bn)
     opt = make_optimizer(kind, model)
     ddp = nn.parallel.DistributedDataParallel(model)
-    return train(model, opt, ShardedBatches(data, LOCAL_BATCH, rank, world, seed=3), opt.step, forward=ddp)
+    return train(model, opt, batches(rank, world), opt.step, STEPS, forward=ddp)
 
 
 def _lowband_and_ddp(rank: int, world: int, kind: str, bucket_mb: float):
     return (_lowband(rank, world, kind, bucket_mb, bn=False), _lowband(rank, world, kind, bucket_mb, bn=True),
             _ddp(rank, world, kind, bn=True))
-
-
-def max_rel_err(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
 
 
 @pytest.mark.parametrize("world", [2, 4])

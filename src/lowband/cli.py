@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 from . import __version__
 from .algorithms import ALGORITHMS, make_algorithm
 from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
-from .data import DATASETS, DEFAULT_DATA_DIR, DatasetError, load_dataset
+from .data import DATASETS, DatasetError, load_dataset
 from .models import MODELS
 
 EXIT_USAGE = 2
@@ -236,7 +236,6 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
     import platform
     from .bench import RESULTS_FILE, run_on_link
     from .metrics import read_jsonl, write_json_atomic

@@ -14,7 +14,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .data import ShardedBatches, TensorDataset, load_dataset
-from .engine import Engine, distribute
+from .engine import distribute
 from .metrics import MetricsWriter, format_table, write_json_atomic
 from .models import make_model
 

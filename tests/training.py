@@ -1,0 +1,74 @@
+"""Shared pieces of the multi-process training tests: a small model, its data and loop."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowband
+from lowband.data import ShardedBatches, make_synthetic
+
+LOCAL_BATCH = 8
+DATA_SIZE = 1024
+
+
+class SmallNet(nn.Module):
+    """Conv (+ BatchNorm) + linear. BatchNorm normalises with per-worker batch statistics, so
+    only the model without it can equal single-process large-batch training; with it, lowband
+    must still equal DDP."""
+
+    def __init__(self, bn: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 5, stride=2)
+        self.bn = nn.BatchNorm2d(4) if bn else nn.Identity()
+        self.fc1 = nn.Linear(4 * 12 * 12, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(x)))
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-3)
+
+
+def batches(rank: int, world: int, local_batch: int = LOCAL_BATCH) -> ShardedBatches:
+    return ShardedBatches(make_synthetic(DATA_SIZE, seed=1), local_batch, rank, world, seed=3)
+
+
+def train(model: nn.Module, optimizer, batches: ShardedBatches, step_fn: Callable[[], None], steps: int,
+          forward: Optional[Callable] = None) -> dict[str, torch.Tensor]:
+    """``steps`` iterations of cross-entropy training; returns the parameters."""
+    forward = forward or model
+    it = batches.epoch(0)
+    for _ in range(steps):
+        x, y = next(it)
+        optimizer.zero_grad()
+        F.cross_entropy(forward(x), y).backward()
+        step_fn()
+    return params_of(model)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_algorithm(rank: int, world: int, algorithm: str, options: dict[str, Any], steps: int,
+                  kind: str = "sgd", bn: bool = False) -> tuple[dict[str, torch.Tensor], "lowband.Engine"]:
+    """Train a seeded SmallNet with a lowband algorithm on this rank; synchronize at the end."""
+    torch.manual_seed(0)
+    model = SmallNet(bn)
+    opt = make_optimizer(kind, model)
+    engine = lowband.distribute(model, opt, algorithm, **options)
+    train(model, opt, batches(rank, world), engine.step, steps, forward=engine.module)
+    engine.synchronize()
+    return params_of(model), engine
+
+
+def max_rel_err(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
