@@ -6,7 +6,7 @@ rank's model, and a check on local data alone (``if not loss.isfinite(): raise``
 rank while the others wait in their next collective until the timeout. The guard therefore
 checks each gradient as it becomes ready (inside the engine's gradient hook, overlapping
 with the rest of backward), and at ``engine.step()`` all ranks exchange their first bad
-parameter index (one int64 per rank) and take the same decision:
+parameter index (one int64 per rank, in one tiny MAX all-reduce) and take the same decision:
 
 * ``"raise"`` (default): every rank raises :class:`NonFiniteGradientError` naming the step,
   the bad ranks and each one's first bad parameter. Gradients keep streaming to the
@@ -94,13 +94,15 @@ class GradientGuard:
         """Agree on this step; True if it may be applied. Raises or clears gradients otherwise."""
         if self.failed is not None:
             raise RuntimeError("the engine stopped after a non-finite gradient and cannot continue") from self.failed
-        mine = torch.tensor([self._first_bad()], dtype=torch.int64)
+        # slot r holds rank r's first bad index; a MAX all-reduce of these few int64 fills
+        # every slot on every rank (cheaper to set up than an all-gather, same bytes)
+        world = 1 if self.comm is None else self.comm.world_size
+        rank = 0 if self.comm is None else self.comm.rank
+        everyone = torch.full((world,), ALL_FINITE, dtype=torch.int64)
+        everyone[rank] = self._first_bad()
         self._finite.clear()
-        if self.comm is None:
-            everyone = mine
-        else:
-            everyone = torch.empty(self.comm.world_size, dtype=torch.int64)
-            self.comm.all_gather(everyone, mine)
+        if self.comm is not None:
+            self.comm.all_reduce(everyone, op=dist.ReduceOp.MAX)
         bad = {r: self.names[int(i)] for r, i in enumerate(everyone.tolist()) if i != ALL_FINITE}
         if not bad:
             return True
