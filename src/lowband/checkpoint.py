@@ -91,7 +91,6 @@ def save(run_dir: str, rank: int, world_size: int, step: int, state: dict[str, A
                     "files": [rank_file(r) for r in range(world_size)], **info}
         atomic_write(manifest_path(run_dir), json.dumps(manifest, indent=2, sort_keys=True).encode())
         _prune(run_dir, step, keep)
-    faults.after_checkpoint(step, rank)
 
 
 def _prune(run_dir: str, committed: int, keep: int) -> None:

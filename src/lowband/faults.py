@@ -8,7 +8,6 @@ machine does (no exception handlers, no flushing, no cleanup).
 
 Kinds:
     ``checkpoint-write@STEP``: write half of this rank's checkpoint temp file, fsync, die.
-    ``after-checkpoint@STEP``: die right after the checkpoint of STEP is committed.
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from typing import BinaryIO, Optional
 ENV = "LOWBAND_FAULT"
 ENV_RANK = "LOWBAND_FAULT_RANK"
 CHECKPOINT_WRITE = "checkpoint-write"
-AFTER_CHECKPOINT = "after-checkpoint"
 
 
 def _armed(kind: str, step: int, rank: int) -> bool:
@@ -39,9 +37,4 @@ def during_checkpoint_write(f: BinaryIO, data: bytes, step: int, rank: int) -> N
         f.write(data[: len(data) // 2])
         f.flush()
         os.fsync(f.fileno())
-        _die()
-
-
-def after_checkpoint(step: int, rank: int) -> None:
-    if _armed(AFTER_CHECKPOINT, step, rank):
         _die()

@@ -27,6 +27,7 @@ sharing their group would pair the check with a gradient bucket on some rank.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -37,6 +38,17 @@ from .collectives.communicator import CommStats, Communicator
 NONFINITE_POLICIES = ("raise", "skip", "off")
 #: "no bad parameter" in the exchanged per-rank index
 ALL_FINITE = -1
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> timedelta:
+    """The collective timeout ``group`` was created with. ``new_group`` does not inherit it
+    (it defaults to 30 minutes), and a guard exchange that waits that long on a dead peer
+    would defeat ``--timeout``. torch has no public getter, hence the fallback."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -69,7 +81,8 @@ class GradientGuard:
         if policy != "off" and dist.get_world_size(group) > 1:
             # every rank creates it in the same order (inside distribute), as new_group requires
             ranks = dist.get_process_group_ranks(group) if group is not None else None
-            self.comm = Communicator(dist.new_group(ranks=ranks, backend="gloo"), stats=stats)
+            group_ = dist.new_group(ranks=ranks, backend="gloo", timeout=group_timeout(group))
+            self.comm = Communicator(group_, stats=stats)
 
     @property
     def active(self) -> bool:

@@ -107,6 +107,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)          # a run is a function of its config, whichever RNG a step uses
+    np.random.seed(cfg.seed)
 
     train = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.seed)
     test = load_dataset(cfg.dataset, "test", cfg.data_dir, cfg.seed)
