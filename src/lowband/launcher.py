@@ -150,11 +150,12 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> LaunchResult:
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
-    """SIGTERM what still runs, then SIGKILL what ignores it."""
+    """SIGTERM (and SIGCONT) what still runs, then SIGKILL what ignores it."""
     for p in procs:
         if p.poll() is None:
             try:
                 p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGCONT)   # a stopped (SIGSTOP) worker acts on it now
             except ProcessLookupError:
                 pass
     end = time.monotonic() + timeout_s

@@ -7,7 +7,8 @@ this one could talk to the unauthenticated key-value store while a run is going.
 master address is a loopback address, rank 0 therefore binds the listening socket itself,
 to that address only, and hands it to the TCPStore (``master_listen_fd``); the other ranks
 connect as plain clients. Any other master address is an explicit choice (``--master-addr``)
-and keeps torch's default behaviour.
+and keeps torch's default behaviour, as does torchrun (its agent hosts the store; start it
+with ``--master-addr``/``--rdzv-endpoint`` on the interface you mean).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 #: pending connections the store's listening socket queues (torch uses the same default)
 LISTEN_BACKLOG = 2048
+#: set by torchrun when its elastic agent hosts the store on MASTER_PORT (we must not bind it)
+TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def is_loopback(addr: str) -> bool:
@@ -49,7 +52,8 @@ def init_process_group(backend: str, timeout: timedelta, env: Optional[dict] = N
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), keeping a loopback rendezvous on loopback."""
     env = os.environ if env is None else env
     addr = env.get("MASTER_ADDR", "127.0.0.1")
-    if not is_loopback(addr):
+    if not is_loopback(addr) or env.get(TORCHRUN_AGENT_STORE) == "True":
+        # an explicit non-loopback address, or torchrun, whose agent already hosts the store
         dist.init_process_group(backend, timeout=timeout)
         return
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
