@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
+import time
 import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+POLL_S = 0.5
 
 
 def _free_port() -> int:
@@ -43,14 +47,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         p.start()
     results: dict[int, Any] = {}
     errors = []
+    deadline = time.monotonic() + timeout_s + 30
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout_s + 30)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=POLL_S)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    errors.append(f"rank {dead[0]} exited with status {procs[dead[0]].exitcode} before reporting")
+                elif time.monotonic() > deadline:
+                    errors.append(f"no result after {timeout_s + 30:.0f} s")
+                continue
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5)

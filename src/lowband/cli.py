@@ -77,8 +77,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr", default=d.master_addr,
                    help="rendezvous address; anything but loopback exposes the workers' sockets to that "
                         "network (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=None, dest="eval_every_steps",
+                   help="also evaluate every N steps (for accuracy-against-time curves)")
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size cap in MiB for bucketed algorithms")
     p.add_argument("--no-overlap", action="store_true", help="launch communication only after backward (ssgd)")
+    p.add_argument("--compressor", default=None, help="codec for compressed algorithms: 2bit, 1bit, qsgd, terngrad, "
+                   "topk, randomk, fp16, bf16, powersgd, none")
+    p.add_argument("--collective", default=None, help="compressed collective: two-stage or allgather")
+    p.add_argument("--compressor-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="codec option, e.g. --compressor-option threshold=0.01 (repeatable)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other algorithm option, e.g. --option bucket_mb=4 (repeatable)")
 
@@ -89,6 +96,12 @@ def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["bucket_mb"] = args.bucket_mb
     if args.no_overlap:
         opts["overlap"] = False
+    if args.compressor is not None:
+        opts["compressor"] = args.compressor
+    if args.collective is not None:
+        opts["collective"] = args.collective
+    if args.compressor_option:
+        opts["compressor_options"] = dict(_parse_option(t) for t in args.compressor_option)
     for text in args.option:
         k, v = _parse_option(text)
         opts[k] = v
@@ -104,6 +117,7 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         seed=args.seed, threads=args.threads, run_dir=run_dir, timeout_s=args.timeout_s,
         progress=args.progress, nonfinite=args.nonfinite, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, master_addr=args.master_addr,
+        eval_every_steps=args.eval_every_steps,
         resume=getattr(args, "resume", None) is not None,
     )
     check_config(cfg)
@@ -138,7 +152,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR's run from its latest checkpoint (same flags; --epochs, "
                         "--max-steps, --timeout and --nonfinite may change)")
+    t.add_argument("--bandwidth", default="none",
+                   help="emulated per-worker link rate, e.g. 1gbit, 200mbit (needs root; default: %(default)s = loopback)")
     add_run_arguments(t)
+
+    b = sub.add_parser("bench", help="run algorithms side by side over emulated links",
+                       description="Run every combination of algorithm, link rate and worker count with the same "
+                                   "seed and data; write results.json and plots to --out and print a markdown table.")
+    b.add_argument("--algorithms", default="noop,ssgd", help="comma-separated algorithm names (default: %(default)s)")
+    b.add_argument("--bandwidth", default="none", help="comma-separated link rates, e.g. none,1gbit,200mbit (default: %(default)s)")
+    b.add_argument("--workers", default="2", help="comma-separated worker counts (default: %(default)s)")
+    b.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
+    b.add_argument("--fallback-loopback", action="store_true",
+                   help="if network emulation is unavailable, run over loopback instead of failing")
+    b.add_argument("--doc", default=None, help="also update the benchmark section of this markdown file")
+    add_run_arguments(b)
+    b.set_defaults(max_steps=100)
+
+    r = sub.add_parser("report", help="re-render a bench results file as a table, plots and docs section")
+    r.add_argument("results", help="results.json written by `lowband bench`")
+    r.add_argument("--doc", default=None, help="markdown file whose benchmark section is replaced")
+    r.add_argument("--images", default=None, help="directory for the plots (default: next to the results file)")
     return parser
 
 
@@ -168,6 +202,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             print_summary(summary)
         return 0
     cfg = config_from_args(args, args.algorithm, args.workers, run_dir)
+    rate = parse_bandwidths(args.bandwidth, fallback=False)[0][1]
+    if rate is not None:
+        from .bench import run_on_link
+        from .metrics import format_table as table
+        try:
+            row = run_on_link(cfg, rate)
+        except RuntimeError as e:
+            print(f"lowband: error: {e}", file=sys.stderr)
+            return 1
+        print(table([row]))
+        print(f"run directory: {cfg.run_dir} (link {args.bandwidth} per worker, both directions)")
+        return 0
     os.makedirs(cfg.run_dir, exist_ok=True)
     if cfg.resume:
         try:   # the workers check again; this turns the common mistakes into a usage error
@@ -197,7 +243,91 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train}
+def parse_bandwidths(text: str, fallback: bool) -> list[tuple[str, Optional[int]]]:
+    """``"none,1gbit"`` -> [("none", None), ("1gbit", 10**9)]; checks that emulation is usable
+    when a rate is asked for (or, with ``fallback``, says so and uses loopback)."""
+    from . import netem
+    out = []
+    for label in [x.strip() for x in text.split(",") if x.strip()]:
+        try:
+            out.append((label, netem.parse_rate(label)))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if not out:
+        raise UsageError("--bandwidth needs at least one rate")
+    if any(rate is not None for _, rate in out):
+        reason = netem.check_available()
+        if reason:
+            if not fallback:
+                raise UsageError(reason)
+            print(f"lowband: network emulation unavailable ({reason}); running over loopback", file=sys.stderr)
+            out = [("none", None)]
+        else:
+            netem.cleanup_stale()
+    return list(dict.fromkeys(out))
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} expects comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UsageError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    import platform
+    from .bench import RESULTS_FILE, run_on_link
+    from .metrics import read_jsonl, write_json_atomic
+    from .report import derive, markdown_table, plot, render_section, update_doc
+
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    workers = _int_list(args.workers, "--workers")
+    links = parse_bandwidths(args.bandwidth, fallback=args.fallback_loopback)
+    configs = []
+    for label, rate in links:
+        for w in workers:
+            for a in algorithms:
+                run_dir = os.path.join(args.out, "runs", f"{label}-{w}w-{a}")
+                configs.append((label, rate, config_from_args(args, a, w, run_dir)))
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    command = "lowband " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowband") else \
+        "lowband bench " + " ".join(f"{k}={v}" for k, v in vars(args).items())
+    results = {"command": command, "machine": f"{platform.node()}, {os.cpu_count()} cores",
+               "link": "tc tbf on both ends of each worker's veth" if any(r for _, r in links) else "loopback",
+               "rows": rows}
+    for i, (label, rate, cfg) in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {cfg.algorithm} x{cfg.workers} over {label}", file=sys.stderr, flush=True)
+        try:
+            row = run_on_link(cfg, rate)
+        except RuntimeError as e:
+            print(f"lowband: error: {e}", file=sys.stderr)
+            return 1
+        epochs = read_jsonl(os.path.join(cfg.run_dir, "epochs.jsonl"))
+        row.update(bandwidth=label, rate_bits=rate, curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs])
+        rows.append(row)
+        write_json_atomic(os.path.join(args.out, RESULTS_FILE), results)
+    print(markdown_table(derive(rows)))
+    images = plot(derive(rows), args.out)
+    print(f"results: {os.path.join(args.out, RESULTS_FILE)}; plots: {', '.join(images)}", file=sys.stderr)
+    if args.doc:
+        update_doc(args.doc, render_section(results, os.path.join(args.out, RESULTS_FILE), args.out,
+                                            os.path.dirname(os.path.abspath(args.doc))))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import main_report
+    if not os.path.exists(args.results):
+        raise UsageError(f"results file {args.results} does not exist")
+    return main_report(args.results, args.doc, args.images or os.path.dirname(os.path.abspath(args.results)))
+
+
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "report": cmd_report}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -34,6 +34,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1              # intra-op threads per worker
     eval_every_epoch: bool = True
+    eval_every_steps: Optional[int] = None   # also evaluate every N steps (accuracy-vs-time curves)
     run_dir: str = "runs/latest"
     timeout_s: float = 120.0      # collective timeout: a dead peer is reported after this long
     progress: bool = True
@@ -59,6 +60,8 @@ class TrainConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: {', '.join(LR_SCHEDULES)}")
+        if self.eval_every_steps is not None and self.eval_every_steps < 1:
+            raise ValueError(f"--eval-every must be >= 1, got {self.eval_every_steps}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not self.timeout_s > 0:

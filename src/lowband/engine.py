@@ -105,7 +105,7 @@ class Engine:
         with torch.no_grad():
             for group in by_dtype.values():
                 flat = flatten(group)
-                dist.broadcast(flat, src=0, group=self.comm.group)
+                self.comm.broadcast(flat, src=0)
                 unflatten_into(flat, group)
 
     # -- per iteration -------------------------------------------------------------------

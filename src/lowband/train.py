@@ -156,6 +156,14 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         from tqdm import tqdm
         progress = tqdm(total=total_steps, initial=step, desc=f"{cfg.algorithm} x{world}", unit="step", leave=False)
 
+    def evaluate_and_record(epoch: int) -> tuple[float, float]:
+        """Drain, score the global model, and log it (train_s excludes evaluation time)."""
+        engine.synchronize()
+        acc, tl = evaluate(engine.module, test, rank, world)
+        writer.epoch({"epoch": epoch, "step": step, "test_accuracy": acc, "test_loss": tl,
+                      "wall_s": time.perf_counter() - wall0, "train_s": train_time})
+        return acc, tl
+
     accuracy = test_loss = float("nan")
     wall0 = time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
@@ -193,12 +201,11 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_s:.0f}")
             end_of_run = step >= total_steps
+            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not end_of_run:
+                accuracy, test_loss = evaluate_and_record(epoch)
             if (cfg.eval_every_epoch and in_epoch + 1 == batches.steps_per_epoch) or end_of_run:
                 # evaluated before the checkpoint of this step, so a resume never repeats it
-                engine.synchronize()
-                accuracy, test_loss = evaluate(engine.module, test, rank, world)
-                writer.epoch({"epoch": epoch, "step": step, "test_accuracy": accuracy, "test_loss": test_loss,
-                              "wall_s": time.perf_counter() - wall0, "train_s": train_time})
+                accuracy, test_loss = evaluate_and_record(epoch)
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or end_of_run):
                 save_checkpoint(epoch, in_epoch + 1)
             if end_of_run:
@@ -211,6 +218,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         progress.close()
 
     stats = engine.stats
+    # every rank's own byte counts, for checking them against the links' kernel counters
+    write_json_atomic(os.path.join(cfg.run_dir, f"rank{rank}.stats.json"), stats.snapshot())
     summary = None
     if rank == 0:
         summary = {

@@ -4,10 +4,25 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Algorithm, EngineContext
+from .compressed import CompressedSGD
+from .cpsgd import CPSGD
+from .lazy import LazyUpdate
+from .noop import NoComm
 from .ssgd import SSGD
+from .ddp import DDP, DDPFP16, DDPPowerSGD
+from .localsgd import LocalSGD
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     SSGD.name: SSGD,
+    NoComm.name: NoComm,
+    CompressedSGD.name: CompressedSGD,
+    CPSGD.name: CPSGD,
+    LazyUpdate.name: LazyUpdate,
+    # peers lowband is compared against (docs/peers.md)
+    DDP.name: DDP,
+    DDPFP16.name: DDPFP16,
+    DDPPowerSGD.name: DDPPowerSGD,
+    LocalSGD.name: LocalSGD,
 }
 
 
@@ -33,4 +48,5 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-__all__ = ["Algorithm", "EngineContext", "SSGD", "ALGORITHMS", "register", "make_algorithm"]
+__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "LazyUpdate", "DDP", "DDPFP16", "DDPPowerSGD",
+           "LocalSGD", "ALGORITHMS", "register", "make_algorithm"]

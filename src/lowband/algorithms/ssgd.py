@@ -25,7 +25,7 @@ class SSGD(Algorithm):
             backward (False, the "no overlap" baseline of the overlap benchmark).
     """
 
-    bucket_mb: float = 25.0
+    bucket_mb: float = 1.0
     overlap: bool = True
 
     name: ClassVar[str] = "ssgd"

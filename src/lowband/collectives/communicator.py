@@ -13,8 +13,9 @@ after the fact. Two numbers are kept per operation:
 """
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 import torch
@@ -34,8 +35,13 @@ class CommStats:
     bytes_received: int = 0
     comm_wait_s: float = 0.0
     by_op: dict = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, op: str, payload: int, sent: float, received: float) -> None:
+        with self._lock:   # background collectives record from their own thread
+            self._record(op, payload, sent, received)
+
+    def _record(self, op: str, payload: int, sent: float, received: float) -> None:
         self.calls += 1
         self.payload_bytes += int(payload)
         self.bytes_sent += int(round(sent))
@@ -45,7 +51,8 @@ class CommStats:
         entry[1] += int(round(sent))
 
     def snapshot(self) -> dict:
-        d = asdict(self)
+        with self._lock:
+            d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         d["by_op"] = {k: list(v) for k, v in self.by_op.items()}
         return d
 
@@ -55,18 +62,21 @@ class CommStats:
 
 
 class TimedWork:
-    """A pending collective whose ``wait()`` time is charged to the exposed-communication clock."""
+    """A pending collective whose ``wait()`` time is charged to the exposed-communication
+    clock (unless the communicator runs on a background thread, whose waits hide nothing)."""
 
-    def __init__(self, work: Optional[dist.Work], stats: CommStats):
+    def __init__(self, work: Optional[dist.Work], stats: CommStats, timed: bool = True):
         self._work = work
         self._stats = stats
+        self._timed = timed
 
     def wait(self) -> None:
         if self._work is None:
             return
         t0 = time.perf_counter()
         self._work.wait()
-        self._stats.comm_wait_s += time.perf_counter() - t0
+        if self._timed:
+            self._stats.comm_wait_s += time.perf_counter() - t0
         self._work = None
 
     def is_completed(self) -> bool:
@@ -80,15 +90,17 @@ class Communicator:
     returns a :class:`TimedWork` (``async_op=True``) or completes before returning.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None,
+                 time_waits: bool = True):
         self.group = group
         self.stats = stats if stats is not None else CommStats()
+        self.time_waits = time_waits
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
     # -- helpers --------------------------------------------------------------------------
     def _finish(self, work, async_op: bool) -> TimedWork:
-        tw = TimedWork(work, self.stats)
+        tw = TimedWork(work, self.stats, self.time_waits)
         if not async_op:
             tw.wait()
         return tw
@@ -110,7 +122,7 @@ class Communicator:
         n, p = self._nbytes(tensor), self.world_size
         self.stats.record("all_gather", n, (p - 1) * n, (p - 1) * n)
         if p > 1:
-            work = dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.group, async_op=True)
+            work = _all_gather_single(output, tensor.contiguous(), group=self.group, async_op=True)
         else:
             output.view(-1).copy_(tensor.view(-1))
             work = None
@@ -135,6 +147,10 @@ class Communicator:
         self.stats.record("broadcast", n, sent, received)
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True) if p > 1 else None
         return self._finish(work, async_op)
+
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

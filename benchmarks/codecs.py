@@ -1,0 +1,104 @@
+"""Codec throughput on one CPU core: encode (with error feedback) and decode, in GB/s of fp32 input.
+
+Every number is compared with ``torch.clone`` of the same tensor, measured in the same run.
+That is the memory-bound limit of a single pass that reads and writes the tensor, allocation
+included. ``copy_`` into a preallocated buffer is shown as well, because the EF encoder writes
+its residual in place and so pays no allocation. Timings are the minimum over ``--reps``
+repetitions after one warm-up call, which filters noise from other processes.
+
+Usage::
+
+    PYTHONPATH=src python benchmarks/codecs.py            # 1M and 25M elements
+    PYTHONPATH=src python benchmarks/codecs.py --quick    # 1M only, fewer reps
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from lowband.compressors import COMPRESSORS, ErrorFeedback, make_compressor
+
+# Benchmark configuration of each codec (documented here, printed with the table).
+BENCH_OPTIONS: dict[str, dict] = {
+    "2bit": {"threshold": 0.5},  # on N(0,1) data: ~62% of codes non-zero (a busy case)
+    "qsgd": {"levels": 7},
+    "topk": {"ratio": 0.01},
+    "randomk": {"ratio": 0.01},
+    "powersgd": {"rank": 4},
+}
+GB = 1e9
+FP32_BYTES = 4
+
+
+def best_time(fn: Callable[[], object], reps: int) -> float:
+    """Minimum wall time of ``fn`` over ``reps`` runs after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run(sizes: list[int], reps: int, names: list[str]) -> str:
+    lines = [
+        "| n | codec | payload / fp32 | encode+EF GB/s | x clone | decode GB/s | x clone |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    gen = torch.Generator().manual_seed(0)
+    for n in sizes:
+        x = torch.randn(n, generator=gen)
+        gbytes = n * FP32_BYTES / GB
+        clone_bw = gbytes / best_time(lambda: x.clone(), reps)
+        dst = torch.empty_like(x)
+        copy_bw = gbytes / best_time(lambda: dst.copy_(x), reps)
+        lines.append(f"| {n:,} | torch.clone | 1 | {clone_bw:.2f} | 1.00 | | |")
+        lines.append(f"| {n:,} | copy_ (no alloc) | 1 | {copy_bw:.2f} | {copy_bw / clone_bw:.2f} | | |")
+        for name in names:
+            codec = make_compressor(name, **BENCH_OPTIONS.get(name, {}))
+            ef = ErrorFeedback(codec)
+            enc_bw = gbytes / best_time(lambda: ef.compress(x, "w"), reps)
+            payload, ctx = ef.compress(x, "w")
+            ratio = codec.payload_nbytes((n,)) / (n * FP32_BYTES)
+            if codec.decompress(payload, ctx).data_ptr() == payload[0].data_ptr():
+                dec = "view, no copy | -"  # identity: decoding returns the payload itself
+            else:
+                dec_bw = gbytes / best_time(lambda: codec.decompress(payload, ctx), reps)
+                dec = f"{dec_bw:.2f} | {dec_bw / clone_bw:.2f}"
+            lines.append(
+                f"| {n:,} | {name} | {ratio:.4f} | {enc_bw:.2f} | {enc_bw / clone_bw:.2f} | {dec} |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)  # progress
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1M elements only, 3 reps")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--codecs", nargs="+", default=list(COMPRESSORS), choices=COMPRESSORS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.reps = [1_000_000], 3
+    torch.set_num_threads(args.threads)
+    print("$ PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv))
+    print(f"torch {torch.__version__}, {args.threads} thread(s), reps={args.reps} (min), "
+          f"input N(0,1) fp32; options: {BENCH_OPTIONS}")
+    if hasattr(os, "getloadavg"):  # other processes on the host skew the numbers; say so
+        print(f"host load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print()
+    print(run(args.sizes, args.reps, args.codecs))
+
+
+if __name__ == "__main__":
+    main()

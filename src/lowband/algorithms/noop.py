@@ -1,0 +1,36 @@
+"""Compute-only headroom probe: no communication at all.
+
+Like PyTorch's ``noop_hook``: each rank steps on its own gradient and ranks drift apart, so
+the model it trains is meaningless. It exists to measure the step time a perfect network would
+give ("if removing all communication gives <10% speedup, communication is not your
+bottleneck"). ``drain()`` re-broadcasts rank 0's weights so evaluation stays well-defined.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Algorithm, EngineContext
+from ..collectives.communicator import flatten, unflatten_into
+
+
+@dataclass
+class NoComm(Algorithm):
+    """No knobs: the point is to do nothing but compute."""
+
+    name: ClassVar[str] = "noop"
+    uses_gradient_hooks: ClassVar[bool] = False
+
+    def bind(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+
+    def step(self) -> None:
+        self.ctx.optimizer.step()
+
+    def drain(self) -> None:
+        with torch.no_grad():
+            flat = flatten([p.data for p in self.ctx.params])
+            self.ctx.comm.broadcast(flat, src=0)
+            unflatten_into(flat, [p.data for p in self.ctx.params])

@@ -1,0 +1,111 @@
+"""Run training configurations side by side and reduce their metrics to comparable numbers.
+
+Used by ``lowband bench`` and the scripts in ``benchmarks/``. Each configuration runs as a
+real multi-process ``lowband train`` job; step times are medians over the steps after a short
+warm-up (the first steps include allocation and connection set-up).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from .config import TrainConfig
+from .launcher import launch_workers
+from .metrics import read_jsonl
+
+WARMUP_STEPS = 5     # steps excluded from the medians
+
+
+@dataclass
+class RunResult:
+    config: TrainConfig
+    summary: dict[str, Any]
+    steps: list[dict[str, Any]]
+
+    def median(self, key: str, skip: int = WARMUP_STEPS) -> float:
+        values = [s[key] for s in self.steps[skip:]] or [s[key] for s in self.steps]
+        return statistics.median(values)
+
+    def row(self, **extra: Any) -> dict[str, Any]:
+        """One flat record: the summary plus median step/compute/wait times in ms."""
+        return {
+            **{k: v for k, v in self.summary.items() if not isinstance(v, dict)},
+            "median_step_ms": 1e3 * self.median("step_s"),
+            "median_compute_ms": 1e3 * self.median("compute_s"),
+            "median_comm_wait_ms": 1e3 * self.median("comm_wait_s"),
+            "median_bytes_sent": self.median("bytes_sent"),
+            **extra,
+        }
+
+
+def run_config(
+    cfg: TrainConfig,
+    *,
+    prefix: Optional[Callable[[int], Sequence[str]]] = None,
+    extra_env: Optional[Callable[[int], dict]] = None,
+    master_addr: Optional[str] = None,
+) -> RunResult:
+    """Run one configuration to completion with ``cfg.workers`` local processes."""
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    for name in os.listdir(cfg.run_dir):
+        if name in ("steps.jsonl", "epochs.jsonl", "summary.json") or name.endswith(".stats.json"):
+            os.remove(os.path.join(cfg.run_dir, name))
+    config_path = os.path.join(cfg.run_dir, "config.json")
+    with open(config_path, "w") as f:
+        f.write(cfg.to_json())
+    kwargs = {"master_addr": master_addr} if master_addr else {}
+    result = launch_workers(cfg.workers, config_path, threads=cfg.threads, prefix=prefix, extra_env=extra_env, **kwargs)
+    if result.returncode != 0:
+        raise RuntimeError(f"{cfg.algorithm} x{cfg.workers}: worker rank {result.failed_rank} failed "
+                           f"(exit status {result.returncodes[result.failed_rank]}); see {cfg.run_dir}")
+    with open(os.path.join(cfg.run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return RunResult(cfg, summary, read_jsonl(os.path.join(cfg.run_dir, "steps.jsonl")))
+
+
+# -- the side-by-side matrix -----------------------------------------------------------------
+
+RESULTS_FILE = "results.json"
+
+
+def rank_stats(run_dir: str, workers: int) -> list[dict[str, Any]]:
+    """Each rank's own byte accounting, written by the worker at the end of its run."""
+    out = []
+    for r in range(workers):
+        with open(os.path.join(run_dir, f"rank{r}.stats.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def run_on_link(cfg: TrainConfig, rate_bits: Optional[int]) -> dict[str, Any]:
+    """Run ``cfg`` over an emulated link of ``rate_bits`` (None: plain loopback) and return
+    its row, with the links' kernel byte counters beside lowband's own accounting."""
+    from . import netem
+
+    if rate_bits is None:
+        result = run_config(cfg)
+        return result.row(**_accounting(cfg, None))
+    with netem.EmulatedCluster(cfg.workers, rate_bits) as cluster:
+        before = cluster.link_counters()
+        def env(rank: int) -> dict:
+            # c10d warns once per connection that a namespace address has no hostname: noise
+            return {**cluster.worker_env(rank), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        result = run_config(cfg, prefix=cluster.worker_prefix, extra_env=env, master_addr=cluster.master_addr)
+        after = cluster.link_counters()
+    link_tx = sum(after[r][0] - before[r][0] for r in range(cfg.workers))
+    link_rx = sum(after[r][1] - before[r][1] for r in range(cfg.workers))
+    return result.row(**_accounting(cfg, (link_tx, link_rx)))
+
+
+def _accounting(cfg: TrainConfig, link: Optional[tuple[int, int]]) -> dict[str, Any]:
+    ranks = rank_stats(cfg.run_dir, cfg.workers)
+    sent = sum(s["bytes_sent"] for s in ranks)
+    row: dict[str, Any] = {"lowband_bytes_sent_all_ranks": sent,
+                           "payload_bytes_all_ranks": sum(s["payload_bytes"] for s in ranks)}
+    if link is not None:
+        row["link_tx_bytes_all_ranks"], row["link_rx_bytes_all_ranks"] = link
+        row["link_over_accounted"] = link[0] / sent if sent else None
+    return row

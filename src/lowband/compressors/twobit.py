@@ -1,0 +1,127 @@
+"""MXNet's 2-bit threshold quantizer (CP-SGD's codec), bit-exact and bit-packed.
+
+Semantics (MXNet ``gradient_compression-inl.h``, spec B.1.3), per element with threshold t:
+``q = +t if r >= t``, ``q = -t if r <= -t``, else ``0``; with error feedback ``e <- r - q``.
+Codes travel in MXNet's wire layout, 16 per int32 word (``0b11`` = +t, ``0b10`` = -t,
+``0b00`` = 0). The payload is ``ceil(n/16)`` words and nothing else, because ``t`` is
+configuration known to every rank.
+
+Threshold units: lowband gradients are local **means**, whereas MXNet thresholds **summed**
+local gradients. Use ``theta_mean ~= theta_sum / local_batch``. For example, MXNet's default 0.5
+at a local batch of 32 corresponds to about 0.0156 here. ``t`` is rounded to fp32 once (as
+MXNet stores it), so comparisons, codes and decoded values all use the same fp32 number.
+
+Hot path (why it looks like this): one core must encode with error feedback at >= 1 GB/s of
+fp32 input. Two boolean comparisons already cost ~60 ms per 25M elements, because torch writes
+bool outputs slowly. So the code is derived with fast fp32 ops instead:
+``y = clamp(r / t, -1, 1)`` followed by truncation toward zero. This is exactly the comparison:
+``r >= t`` iff ``fl(r/t) >= 1``, because IEEE division is correctly rounded and monotone,
+``t/t == 1``, and for ``r < t`` we have ``r/t <= 1 - 2**-24``. Truncation happens for free in
+the fp32->int8 conversion, which produces the bytes for packing. One ``trunc_`` plus one
+``add_(alpha=-t)`` then give the MXNet residual ``r - q``. The products ``t*(+-1)`` are exact,
+so the result is bit-identical except that an exact ``-0.0`` residual may become ``+0.0``.
+NaN inputs give code 0 (as in MXNet) and keep a NaN residual.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from .base import Compressor, Ctx, Payload, as_shape, check_positive, flat_fp32, scratch
+from .bitpack import pack_ternary, unpack_ternary, words_for
+
+CODES_PER_WORD = 16
+
+
+class TwoBitQuantizer(Compressor):
+    """2-bit threshold quantizer.
+
+    Args:
+        threshold: ``t`` (required, > 0), in mean-gradient units (see module docstring).
+        block_size: elements processed per cache block on CPU (rounded up to a multiple of 16).
+            The default keeps the ~0.9 MiB of scratch (fp32, int8 and two int32/4 buffers) in
+            L2. It measured ~1.5x faster than whole-tensor passes through DRAM, and fast
+            enough that the ~15 op dispatches per block stay a small cost. CUDA always uses one
+            block, because there kernel launches dominate.
+    """
+
+    name = "2bit"
+
+    def __init__(self, threshold: float, block_size: int = 1 << 17) -> None:
+        check_positive("threshold", threshold)
+        check_positive("block_size", block_size, int)
+        self.threshold = float(np.float32(threshold))
+        if not np.isfinite(self.threshold) or self.threshold == 0.0:
+            raise ValueError(f"threshold {threshold!r} is not a positive finite fp32 number")
+        self.block_size = -(-int(block_size) // CODES_PER_WORD) * CODES_PER_WORD
+
+    def __repr__(self) -> str:
+        return f"TwoBitQuantizer(threshold={self.threshold!r}, block_size={self.block_size})"
+
+    def _block(self, n: int, device: torch.device) -> int:
+        return max(n, 1) if device.type != "cpu" else self.block_size
+
+    # -- core ----------------------------------------------------------------------------------
+    def _encode(self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed words of flat fp32 ``r``. If ``residual``: first ``r += add`` (when given),
+        then ``r -= q`` in place, block by block so the intermediates stay in cache."""
+        n, t = r.numel(), self.threshold
+        words = torch.empty(words_for(n, 2), dtype=torch.int32, device=r.device)
+        packed = words.view(torch.uint8)
+        block = self._block(n, r.device)
+        y_buf = scratch.get("2bit.y", min(block, n), torch.float32, r.device)
+        s_buf = scratch.get("2bit.signs", min(block, words_for(n, 2) * CODES_PER_WORD), torch.int8, r.device)
+        for start in range(0, n, block):
+            rb = r[start : start + block]
+            k = rb.numel()
+            kpad = words_for(k, 2) * CODES_PER_WORD
+            if add is not None:
+                rb.add_(add[start : start + k])
+            y = y_buf[:k]
+            torch.div(rb, t, out=y)
+            y.clamp_(-1.0, 1.0)
+            signs = s_buf[:kpad]
+            if kpad > k:  # only the last block has padding; skip the dispatch otherwise
+                signs[k:].zero_()
+            signs[:k].copy_(y)  # fp32 -> int8 truncates toward zero: {-1, 0, +1}
+            if residual:
+                y.trunc_()
+                rb.add_(y, alpha=-t)  # r - t*code; t*code is exact, so this is MXNet's r - q
+            pack_ternary(signs, out=packed[start // 4 : (start + kpad) // 4])
+        return words
+
+    def compress(self, tensor: torch.Tensor, name: str) -> tuple[Payload, Ctx]:
+        return [self._encode(flat_fp32(tensor), residual=False)], Ctx(tensor.shape, tensor.dtype, name)
+
+    def compress_residual_(
+        self, buf: torch.Tensor, name: str, add: torch.Tensor | None = None
+    ) -> tuple[Payload, Ctx]:
+        if buf.dtype != torch.float32 or not buf.is_contiguous():
+            return super().compress_residual_(buf, name, add)
+        flat_add = None if add is None else flat_fp32(add)
+        words = self._encode(buf.view(-1), residual=True, add=flat_add)
+        return [words], Ctx(buf.shape, buf.dtype, name)
+
+    def decompress(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
+        n = ctx.numel
+        packed = tensors[0].reshape(-1).view(torch.uint8)
+        out = torch.empty(n, dtype=torch.float32, device=packed.device)
+        block = self._block(n, packed.device)
+        s_buf = scratch.get("2bit.dsigns", min(block, words_for(n, 2) * CODES_PER_WORD), torch.int8, packed.device)
+        for start in range(0, n, block):
+            ob = out[start : start + block]
+            k = ob.numel()
+            kpad = words_for(k, 2) * CODES_PER_WORD
+            signs = unpack_ternary(packed[start // 4 : (start + kpad) // 4], k, out=s_buf[:kpad])
+            ob.copy_(signs).mul_(self.threshold)
+        return out.reshape(ctx.shape).to(ctx.dtype)
+
+    def codes(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
+        """The int8 codes in {-1, 0, +1} of a payload (for exact integer aggregation)."""
+        return unpack_ternary(tensors[0], ctx.numel).reshape(ctx.shape)
+
+    def payload_nbytes(self, shape: Iterable[int] | torch.Size | int) -> int:
+        return 4 * words_for(as_shape(shape).numel(), 2)

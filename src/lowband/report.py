@@ -1,0 +1,169 @@
+"""Turn a bench results file into a markdown table, plots, and a section of docs/results.md."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+BENCH_BEGIN = "<!-- lowband-bench:begin -->"
+BENCH_END = "<!-- lowband-bench:end -->"
+
+COLUMNS = [
+    ("bandwidth", "bandwidth", "{}"),
+    ("workers", "workers", "{}"),
+    ("algorithm", "algorithm", "{}"),
+    ("steps", "steps", "{}"),
+    ("test acc", "test_accuracy", "{:.2%}"),
+    ("step ms", "median_step_ms", "{:.1f}"),
+    ("compute ms", "median_compute_ms", "{:.1f}"),
+    ("comm wait ms", "median_comm_wait_ms", "{:.1f}"),
+    ("step / noop", "step_over_noop", "{:.2f}"),
+    ("samples/s", "throughput", "{:.0f}"),
+    ("MB sent/step", "mb_sent_per_step", "{:.3f}"),
+    ("wire ms/step at rate", "wire_ms_at_rate", "{:.1f}"),
+    ("(step-noop)/wire", "comm_over_wire", "{:.2f}"),
+    ("link/accounted", "link_over_accounted", "{:.3f}"),
+]
+
+
+def load(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def derive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add ratios that need several rows: step time over the compute-only (noop) run of the
+    same link and worker count, and measured communication time over bytes / rate."""
+    noop = {(r["bandwidth"], r["workers"]): r["median_step_ms"] for r in rows if r["algorithm"] == "noop"}
+    out = []
+    for r in rows:
+        r = dict(r)
+        base = noop.get((r["bandwidth"], r["workers"]))
+        if base:
+            r["step_over_noop"] = r["median_step_ms"] / base
+        if r.get("rate_bits"):
+            r["wire_ms_at_rate"] = r["median_bytes_sent"] * 8 / r["rate_bits"] * 1e3
+            if base and r["wire_ms_at_rate"] > 0 and r["algorithm"] != "noop":
+                r["comm_over_wire"] = (r["median_step_ms"] - base) / r["wire_ms_at_rate"]
+        out.append(r)
+    return out
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns=COLUMNS) -> str:
+    def cell(row, key, fmt):
+        v = row.get(key)
+        return "-" if v is None else fmt.format(v)
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell(r, k, f) for _, k, f in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
+    """Three figures: accuracy against wall time, step time split into compute and exposed
+    communication, throughput against bandwidth. Returns the written file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups = sorted({(r["bandwidth"], r["workers"]) for r in rows}, key=lambda g: (g[1], str(g[0])))
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    colors = {a: f"C{i}" for i, a in enumerate(algorithms)}
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+    for ax, (bw, w) in zip(axes[0], groups):
+        for r in rows:
+            if (r["bandwidth"], r["workers"]) == (bw, w) and r.get("curve") and r["algorithm"] != "noop":
+                xs = [0.0] + [p[0] for p in r["curve"]]
+                ys = [0.1] + [p[1] for p in r["curve"]]
+                ax.plot(xs, ys, marker="o", color=colors[r["algorithm"]], label=r["algorithm"])
+        ax.set_title(f"{w} workers, {bw}")
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "accuracy_vs_time.png"), dpi=110)
+    plt.close(fig)
+    written.append("accuracy_vs_time.png")
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+    for ax, (bw, w) in zip(axes[0], groups):
+        sel = [r for r in rows if (r["bandwidth"], r["workers"]) == (bw, w)]
+        names = [r["algorithm"] for r in sel]
+        compute = [r["median_step_ms"] - r["median_comm_wait_ms"] for r in sel]
+        wait = [r["median_comm_wait_ms"] for r in sel]
+        ax.bar(names, compute, label="compute (incl. overlapped comm)")
+        ax.bar(names, wait, bottom=compute, label="exposed comm wait")
+        ax.set_title(f"{w} workers, {bw}")
+        ax.set_ylabel("median step (ms)")
+        ax.tick_params(axis="x", rotation=45, labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "step_time_split.png"), dpi=110)
+    plt.close(fig)
+    written.append("step_time_split.png")
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for w in sorted({r["workers"] for r in rows}):
+        for a in algorithms:
+            sel = sorted((r for r in rows if r["workers"] == w and r["algorithm"] == a and r.get("rate_bits")),
+                         key=lambda r: r["rate_bits"])
+            if sel:
+                ax.plot([r["rate_bits"] / 1e6 for r in sel], [r["throughput"] for r in sel], marker="o",
+                        color=colors[a], linestyle="-" if w == min(r["workers"] for r in rows) else "--",
+                        label=f"{a} x{w}")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate (Mbit/s)")
+    ax.set_ylabel("samples/s (all workers)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "throughput_vs_bandwidth.png"), dpi=110)
+    plt.close(fig)
+    written.append("throughput_vs_bandwidth.png")
+    return written
+
+
+def render_section(results: dict[str, Any], results_path: str, images_dir: Optional[str], doc_dir: str) -> str:
+    rows = derive(results["rows"])
+    parts = [
+        f"Produced by: `{results['command']}`",
+        f"Regenerate this section: `lowband report {results_path} --doc {os.path.join(doc_dir, 'results.md')}`",
+        f"Machine: {results.get('machine', '?')}. Link: {results.get('link', '?')}.",
+        "",
+        markdown_table(rows),
+    ]
+    if images_dir:
+        rel = os.path.relpath(os.path.abspath(images_dir), doc_dir)
+        parts += ["", *(f"![{name}]({rel}/{name})" for name in
+                       ("accuracy_vs_time.png", "step_time_split.png", "throughput_vs_bandwidth.png"))]
+    return "\n".join(parts)
+
+
+def update_doc(doc_path: str, section: str) -> None:
+    """Replace the bench section of ``doc_path`` (between the markers), keeping the rest."""
+    text = open(doc_path).read() if os.path.exists(doc_path) else "# Results\n"
+    block = f"{BENCH_BEGIN}\n{section}\n{BENCH_END}"
+    if BENCH_BEGIN in text and BENCH_END in text:
+        head, rest = text.split(BENCH_BEGIN, 1)
+        tail = rest.split(BENCH_END, 1)[1]
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n## Side-by-side benchmark\n\n" + block + "\n"
+    with open(doc_path, "w") as f:
+        f.write(text)
+
+
+def main_report(results_path: str, doc: Optional[str], images: Optional[str]) -> int:
+    results = load(results_path)
+    rows = derive(results["rows"])
+    print(markdown_table(rows))
+    if images:
+        os.makedirs(images, exist_ok=True)
+        plot(rows, images)
+    if doc:
+        update_doc(doc, render_section(results, results_path, images, os.path.dirname(os.path.abspath(doc))))
+        print(f"updated {doc}", file=sys.stderr)
+    return 0

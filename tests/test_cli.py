@@ -1,0 +1,64 @@
+"""`lowband train`: bad input exits 2 with one clear line; a small run reaches its summary."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .test_data import FILES, make_fake_dataset
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def lowband(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=SRC)
+    return subprocess.run([sys.executable, "-m", "lowband.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "vgg99"], "unknown model 'vgg99'"),
+    (["--algorithm", "magic"], "unknown algorithm 'magic'"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--batch-size", "-3"], "--batch-size must be >= 1"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--data-dir", "/nonexistent"], "is missing"),
+    (["--option", "no_such_knob=1"], "bad options for algorithm 'ssgd'"),
+    (["--epochs", "two"], "invalid int value"),
+])
+def test_bad_input_exits_2_with_one_line(args, expected, tmp_path):
+    r = lowband("train", "--run-dir", str(tmp_path / "run"), *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert expected in lines[0] and "Traceback" not in r.stderr
+
+
+def test_corrupt_dataset_file_exits_2(tmp_path):
+    d = make_fake_dataset(tmp_path)
+    path = os.path.join(d, FILES["test"][0])
+    open(path, "wb").write(b"\x1f\x8b garbage")
+    r = lowband("train", "--data-dir", str(d), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "corrupt or truncated" in r.stderr
+
+
+def test_small_run_writes_metrics_and_summary(tmp_path):
+    run = tmp_path / "run"
+    r = lowband("train", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--max-steps", "30",
+                "--batch-size", "32", "--lr", "0.05", "--no-progress", "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    assert "| ssgd | 2 | mlp | 30 |" in r.stdout
+    summary = json.load(open(run / "summary.json"))
+    assert summary["steps"] == 30 and summary["workers"] == 2
+    assert summary["test_accuracy"] > 0.5          # synthetic classes are easy to separate
+    steps = [json.loads(l) for l in open(run / "steps.jsonl")]
+    assert [s["step"] for s in steps] == list(range(1, 31))
+    assert all(s["bytes_sent"] > 0 and s["compute_s"] > 0 for s in steps)
+    config = json.load(open(run / "config.json"))
+    assert config["algorithm"] == "ssgd" and config["workers"] == 2
+    assert (run / "epochs.jsonl").exists()

@@ -1,0 +1,213 @@
+"""Tests for lowband.netem: rate parsing, a real shaped gloo all_reduce across
+namespaces, and that nothing is left behind on exit, Ctrl-C, SIGTERM or SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lowband import netem
+from lowband.netem import EmulatedCluster, cleanup_stale, parse_rate
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+WORKER = HERE / "netem_worker.py"
+MASTER_PORT = "29517"  # rank 0's namespace is fresh, so any port is free there
+
+_WHY = netem.check_available()
+needs_netns = pytest.mark.skipif(_WHY is not None, reason=f"netem unavailable: {_WHY}")
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    return env
+
+
+def _leftovers(run_id: str) -> list[str]:
+    """Any netns or link (in the host or any namespace) carrying this run's names."""
+    found = [n for n in netem._list_netns() if f"-{run_id}-" in n]
+    host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    found += [line for line in host_links.splitlines() if f"lb{run_id}" in line]
+    all_links = subprocess.run(["ip", "-all", "netns", "exec", "ip", "-o", "link"],
+                               capture_output=True, text=True).stdout
+    found += [line for line in all_links.splitlines() if f"lb{run_id}" in line]
+    return found
+
+
+# ---------------------------------------------------------------- parse_rate
+
+
+@pytest.mark.parametrize("text,bits", [
+    ("1gbit", 1_000_000_000), ("200mbit", 200_000_000), ("500kbit", 500_000),
+    ("1.5gbit", 1_500_000_000), ("  100MBit ", 100_000_000), ("64bit", 64),
+    ("none", None), ("None", None),
+])
+def test_parse_rate_ok(text: str, bits: int | None) -> None:
+    assert parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["", "100", "100mbps", "fast", "-1mbit", "0mbit", "1 gb", "mbit"])
+def test_parse_rate_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="rate"):
+        parse_rate(text)
+
+
+def test_auto_burst() -> None:
+    assert netem.auto_burst(None) == netem.auto_burst(10**6) == "65536b"  # floor: one GSO segment
+    assert netem.auto_burst(10**9) == "250000b"  # 2 ms at 1gbit
+    assert EmulatedCluster(2, 10**9).burst == "250000b"
+    assert EmulatedCluster(2, 10**9, burst="1mb").burst == "1mb"
+
+
+def test_check_available_is_one_line_or_none() -> None:
+    why = netem.check_available()
+    assert why is None or ("\n" not in why and "--bandwidth none" in why)
+
+
+def test_check_available_explains_missing_root_and_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in (netem.check_available() or "")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netem.shutil, "which", lambda tool: None)
+    assert "`ip`" in (netem.check_available() or "")
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        EmulatedCluster(0, None)
+    with pytest.raises(ValueError):
+        EmulatedCluster(2, None, run_id="has-dash")
+    c = EmulatedCluster(3, 10**8, run_id="abc")
+    assert all(len(n) <= 15 for n in [c.bridge, *c.worker_if, *c.hub_if])
+    assert c.worker_prefix(2) == ["ip", "netns", "exec", c.worker_ns[2]]
+    with pytest.raises(IndexError):
+        c.worker_env(3)
+
+
+# ---------------------------------------------------------------- real cluster
+
+
+@needs_netns
+def test_shaped_gloo_allreduce() -> None:
+    world, rate, size = 2, parse_rate("100mbit"), 8 * 2**20
+    assert rate is not None
+    with EmulatedCluster(world, rate) as c:
+        run_id = c.run_id
+        assert _leftovers(run_id)  # sanity: the probe sees live state
+        before = c.link_counters()
+        procs = []
+        for r in range(world):
+            env = {**_child_env(), **c.worker_env(r), "RANK": str(r), "WORLD_SIZE": str(world),
+                   "MASTER_PORT": MASTER_PORT}
+            procs.append(subprocess.Popen(
+                c.worker_prefix(r) + [sys.executable, str(WORKER), "--bytes", str(size)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=45)
+            assert p.returncode == 0, err[-2000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        after = c.link_counters()
+        # qdiscs really are on both ends
+        qd = subprocess.run(["tc", "-n", c.hub_ns, "qdisc"], capture_output=True, text=True).stdout
+        assert qd.count("tbf") == world
+    assert all(res["ok"] for res in results)
+    payload = 2 * (world - 1) / world * size  # ring all_reduce bytes sent per rank
+    expected_s = payload * 8 / rate
+    measured_s = max(res["times"][0] for res in results)
+    assert measured_s >= 0.7 * expected_s, (measured_s, expected_s)
+    assert measured_s <= 5.0 * expected_s, (measured_s, expected_s)
+    for r in range(world):
+        assert after[r][0] - before[r][0] >= payload
+        assert after[r][1] - before[r][1] >= payload
+    assert _leftovers(run_id) == []
+
+
+@needs_netns
+def test_close_is_idempotent_and_tolerates_partial_state() -> None:
+    c = EmulatedCluster(2, None)
+    with c:
+        subprocess.run(["ip", "netns", "delete", c.worker_ns[1]], check=True)  # simulate partial state
+        with pytest.raises(netem.NetemError, match="ip -n"):
+            c.link_counters()
+    c.close()
+    c.close()
+    assert _leftovers(c.run_id) == []
+    assert not c.state_file.exists()
+
+
+@needs_netns
+def test_error_inside_with_cleans_up() -> None:
+    run_id = secrets.token_hex(3)
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(2, parse_rate("10mbit"), run_id=run_id):
+            raise RuntimeError("boom")
+    assert _leftovers(run_id) == []
+
+
+_OWNER = textwrap.dedent("""
+    import subprocess, sys, time
+    from lowband.netem import EmulatedCluster
+    c = EmulatedCluster(2, 10_000_000, run_id=sys.argv[1]).__enter__()
+    # a 'worker' living in rank 0's namespace, as a launcher would start it
+    w = subprocess.Popen(c.worker_prefix(0) + ["sleep", "60"])
+    print("READY", w.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def _start_owner(run_id: str) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen([sys.executable, "-c", _OWNER, run_id], env=_child_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line.startswith("READY"), p.stderr.read() if p.stderr else line
+    return p, int(line.split()[1])
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if netem._proc_starttime(pid) is None or netem._is_zombie(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_owner_leaves_nothing(sig: signal.Signals) -> None:
+    run_id = secrets.token_hex(3)
+    p, worker_pid = _start_owner(run_id)
+    assert _leftovers(run_id)
+    p.send_signal(sig)
+    p.communicate(timeout=15)
+    assert p.returncode != 0  # it died of the signal (or KeyboardInterrupt), after cleanup
+    assert _leftovers(run_id) == []
+    assert _gone(worker_pid)  # straggler in the namespace was terminated
+
+
+@needs_netns
+def test_sigkilled_owner_is_cleaned_by_cleanup_stale() -> None:
+    run_id = secrets.token_hex(3)
+    p, worker_pid = _start_owner(run_id)
+    p.kill()
+    p.wait(timeout=15)  # not communicate(): the orphaned worker still holds the pipes
+    for f in (p.stdout, p.stderr):
+        if f is not None:
+            f.close()
+    assert len([n for n in netem._list_netns() if f"-{run_id}-" in n]) == 3  # hub + 2 workers survive
+    removed = cleanup_stale()
+    assert sum(f"-{run_id}" in r for r in removed) == 4  # 3 namespaces + state file
+    assert _leftovers(run_id) == []
+    assert _gone(worker_pid)
