@@ -52,7 +52,7 @@ class Engine:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         # before any collective whose shape depends on the configuration (the broadcast below)
         check_agreement(self.agreement_fields(nonfinite), self.comm.group)
-        self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group, self.comm.stats)
+        self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group)
         self._broadcast_initial_state()
         self.ctx = EngineContext(model=model, optimizer=optimizer, names=self.names, params=self.params, comm=self.comm)
         algorithm.bind(self.ctx)

@@ -26,6 +26,8 @@ from typing import Callable, Optional, Sequence
 LOOPBACK = "127.0.0.1"
 LOOPBACK_IFNAME = "lo"
 POLL_S = 0.1
+#: after the first worker failure, how long to wait for others before naming the cause
+CAUSE_SETTLE_S = 1.0
 PR_SET_PDEATHSIG = 1            # prctl(2) option
 
 
@@ -120,29 +122,36 @@ def launch_workers(
         _terminate(procs)
 
 
+def _cause_first(codes: list, failed: list[int]) -> int:
+    """Of the failed ranks, the likely cause: one killed by a signal before one that exited
+    with an error (its collectives broke because of the other), then the lowest rank."""
+    return min(failed, key=lambda r: (codes[r] >= 0, r))
+
+
 def _watch(procs: list[subprocess.Popen], grace_s: float) -> LaunchResult:
-    failed_rank, deadline = None, None
+    failed_rank, first_failure, deadline = None, None, None
     terminated: list[int] = []
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
-        if failed_rank is None:
-            failed = [rank for rank, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # of ranks seen failing in the same poll, one killed by a signal is the cause
-                # and the others (whose collectives broke) the consequence
-                failed_rank = min(failed, key=lambda r: (codes[r] >= 0, r))
-                deadline = time.monotonic() + grace_s
-        if deadline is not None and time.monotonic() > deadline:
+        now = time.monotonic()
+        failed = [rank for rank, c in enumerate(codes) if c not in (None, 0)]
+        if failed and first_failure is None:
+            first_failure, deadline = now, now + grace_s
+        # a SIGKILLed worker's sockets reset its peers before the kernel reports its death, so
+        # a survivor may be seen exiting first: wait a moment before naming the cause
+        if failed_rank is None and first_failure is not None and now >= first_failure + CAUSE_SETTLE_S:
+            failed_rank = _cause_first(codes, failed)
+        if deadline is not None and now > deadline:
             terminated = [r for r, c in enumerate(codes) if c is None]
             _terminate(procs)
             codes = [p.wait() for p in procs]
             break
         time.sleep(POLL_S)
     if failed_rank is None:
-        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-        failed_rank = bad[0][0] if bad else None
+        bad = [r for r, c in enumerate(codes) if c != 0 and r not in terminated]
+        failed_rank = _cause_first(codes, bad) if bad else None
     rc = 0 if failed_rank is None else codes[failed_rank]
     # a worker killed by a signal has a negative code; report it as a plain failure
     return LaunchResult(returncode=rc if rc >= 0 else 1, failed_rank=failed_rank, returncodes=codes,

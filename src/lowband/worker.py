@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -26,6 +27,15 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistError) or "gloo" in str(e)
 
 
+def fail(message: str) -> NoReturn:
+    """Report and leave at once. A normal interpreter exit would run the process group's
+    destructors with collectives still in flight on a broken connection, which aborts the
+    process (SIGABRT, "terminate called without an active exception") and hides the status."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_FAILURE)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m lowband.worker CONFIG_JSON", file=sys.stderr)
@@ -36,15 +46,13 @@ def main(argv: list[str]) -> int:
     try:
         run_worker(cfg)
     except (ConfigMismatchError, NonFiniteGradientError, CheckpointError) as e:
-        print(f"lowband worker rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_FAILURE
+        fail(f"lowband worker rank {rank}: error: {e}")
     except RuntimeError as e:
         if not is_peer_failure(e):
             raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"lowband worker rank {rank}: error: lost contact with the other workers (one died or sent "
-              f"nothing for --timeout {cfg.timeout_s:g} s): {first_line}", file=sys.stderr, flush=True)
-        return EXIT_FAILURE
+        fail(f"lowband worker rank {rank}: error: lost contact with the other workers (one died or sent "
+             f"nothing for --timeout {cfg.timeout_s:g} s): {first_line}")
     return 0
 
 
