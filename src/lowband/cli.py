@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import os
+import shutil
 import sys
 from typing import Any, Optional, Sequence
 
 from . import __version__
 from .algorithms import ALGORITHMS, make_algorithm
+from .checkpoint import DIRNAME as CHECKPOINT_DIRNAME, CheckpointError, check_resumable, read_manifest
 from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from .data import DATASETS, DatasetError, load_dataset
+from .guard import NONFINITE_POLICIES
 from .models import MODELS
 
 EXIT_USAGE = 2
+DEFAULT_RUN_DIR = "runs/latest"
+#: seconds, on top of --timeout, that workers get to report a failed peer and exit
+TEARDOWN_S = 5.0
 
 
 class UsageError(Exception):
@@ -60,6 +67,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
+    p.add_argument("--nonfinite", default=d.nonfinite, choices=NONFINITE_POLICIES,
+                   help="when any rank's gradient has a NaN/Inf: raise on every rank, skip the step on "
+                        "every rank, or off (no check) (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="STEPS",
+                   help="write a crash-safe checkpoint every STEPS steps and at the end (default: 0, never)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                   help="complete checkpoints to keep (default: %(default)s)")
+    p.add_argument("--master-addr", default=d.master_addr,
+                   help="rendezvous address; anything but loopback exposes the workers' sockets to that "
+                        "network (default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=None, dest="eval_every_steps",
                    help="also evaluate every N steps (for accuracy-against-time curves)")
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size cap in MiB for bucketed algorithms")
@@ -98,7 +115,10 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
         weight_decay=args.weight_decay, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
         seed=args.seed, threads=args.threads, run_dir=run_dir, timeout_s=args.timeout_s,
-        progress=args.progress, eval_every_steps=args.eval_every_steps,
+        progress=args.progress, nonfinite=args.nonfinite, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, master_addr=args.master_addr,
+        eval_every_steps=args.eval_every_steps,
+        resume=getattr(args, "resume", None) is not None,
     )
     check_config(cfg)
     return cfg
@@ -128,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "worker of a torchrun world when RANK/WORLD_SIZE are set.")
     t.add_argument("--algorithm", default="ssgd", help=f"{', '.join(sorted(ALGORITHMS))} (default: %(default)s)")
     t.add_argument("--workers", type=int, default=TrainConfig.workers, help="worker processes (default: %(default)s)")
-    t.add_argument("--run-dir", default="runs/latest", help="where config, metrics and summary go (default: %(default)s)")
+    t.add_argument("--run-dir", default=None, help="where config, metrics and summary go (default: runs/latest)")
+    t.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue RUN_DIR's run from its latest checkpoint (same flags; --epochs, "
+                        "--max-steps, --timeout and --nonfinite may change)")
     t.add_argument("--bandwidth", default="none",
                    help="emulated per-worker link rate, e.g. 1gbit, 200mbit (needs root; default: %(default)s = loopback)")
     add_run_arguments(t)
@@ -153,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_run_dir(args: argparse.Namespace) -> str:
+    """``--resume RUN_DIR`` names the run directory; ``--run-dir`` may repeat it, not contradict it."""
+    if args.resume is None:
+        return args.run_dir or DEFAULT_RUN_DIR
+    if args.run_dir is not None and os.path.abspath(args.run_dir) != os.path.abspath(args.resume):
+        raise UsageError(f"--resume {args.resume} continues that run directory; drop --run-dir {args.run_dir}")
+    return args.resume
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOWBAND_LAUNCHED" not in os.environ
 
@@ -162,13 +194,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .metrics import format_table
     from .train import print_summary, run_worker
 
+    run_dir = resolve_run_dir(args)
     if under_torchrun():
-        cfg = config_from_args(args, args.algorithm, int(os.environ["WORLD_SIZE"]), args.run_dir)
+        cfg = config_from_args(args, args.algorithm, int(os.environ["WORLD_SIZE"]), run_dir)
         summary = run_worker(cfg)
         if summary is not None:
             print_summary(summary)
         return 0
-    cfg = config_from_args(args, args.algorithm, args.workers, args.run_dir)
+    cfg = config_from_args(args, args.algorithm, args.workers, run_dir)
     rate = parse_bandwidths(args.bandwidth, fallback=False)[0][1]
     if rate is not None:
         from .bench import run_on_link
@@ -182,17 +215,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"run directory: {cfg.run_dir} (link {args.bandwidth} per worker, both directions)")
         return 0
     os.makedirs(cfg.run_dir, exist_ok=True)
-    for stale in ("steps.jsonl", "epochs.jsonl", "summary.json"):
+    if cfg.resume:
+        try:   # the workers check again; this turns the common mistakes into a usage error
+            check_resumable(read_manifest(cfg.run_dir), dataclasses.asdict(cfg), cfg.workers)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+    stale_files = ("summary.json",) if cfg.resume else ("steps.jsonl", "epochs.jsonl", "summary.json")
+    for stale in stale_files:
         path = os.path.join(cfg.run_dir, stale)
         if os.path.exists(path):
             os.remove(path)
+    if not cfg.resume:   # a fresh run must never be "resumed" from an older run's checkpoint
+        shutil.rmtree(os.path.join(cfg.run_dir, CHECKPOINT_DIRNAME), ignore_errors=True)
     config_path = os.path.join(cfg.run_dir, "config.json")
     with open(config_path, "w") as f:
         f.write(cfg.to_json())
-    result = launch_workers(cfg.workers, config_path, threads=cfg.threads)
+    # the workers notice a dead or silent peer within --timeout; the grace period covers it
+    result = launch_workers(cfg.workers, config_path, threads=cfg.threads, master_addr=cfg.master_addr,
+                            grace_s=cfg.timeout_s + TEARDOWN_S)
     if result.returncode != 0:
-        print(f"lowband: error: worker rank {result.failed_rank} failed with exit status "
-              f"{result.returncodes[result.failed_rank]}", file=sys.stderr)
+        print(f"lowband: error: {result.describe()}", file=sys.stderr)
         return result.returncode
     import json
     with open(os.path.join(cfg.run_dir, "summary.json")) as f:

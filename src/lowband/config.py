@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .data import DEFAULT_DATA_DIR
+from .guard import NONFINITE_POLICIES
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
@@ -37,6 +38,11 @@ class TrainConfig:
     run_dir: str = "runs/latest"
     timeout_s: float = 120.0      # collective timeout: a dead peer is reported after this long
     progress: bool = True
+    nonfinite: str = "raise"      # NaN/Inf gradient on any rank: "raise" | "skip" (all ranks) | "off"
+    checkpoint_every: int = 0     # steps between checkpoints (0: none); the end of a run also saves
+    keep_checkpoints: int = 2     # complete checkpoints kept (the newest is what --resume uses)
+    resume: bool = False          # continue from run_dir's latest checkpoint
+    master_addr: str = "127.0.0.1"  # rendezvous address; loopback keeps every socket local
 
     def validate(self) -> None:
         """Raise ValueError with one clear sentence for the first invalid field."""
@@ -60,6 +66,12 @@ class TrainConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"--nonfinite must be one of: {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

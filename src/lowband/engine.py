@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import check_agreement
 from .algorithms import Algorithm, EngineContext, make_algorithm
 from .collectives.communicator import CommStats, Communicator, flatten, unflatten_into
+from .guard import NONFINITE_POLICIES, GradientGuard
 
 STATE_VERSION = 1
 
@@ -32,6 +34,7 @@ class Engine:
         optimizer: torch.optim.Optimizer,
         algorithm: Algorithm,
         group: Optional[dist.ProcessGroup] = None,
+        nonfinite: str = "raise",
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -45,22 +48,45 @@ class Engine:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._check_optimizer()
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        # before any collective whose shape depends on the configuration (the broadcast below)
+        check_agreement(self.agreement_fields(nonfinite), self.comm.group)
+        self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group)
         self._broadcast_initial_state()
         self.ctx = EngineContext(model=model, optimizer=optimizer, names=self.names, params=self.params, comm=self.comm)
         algorithm.bind(self.ctx)
         self.module = algorithm.wrap_module(model)
         self._hooks = []
-        if algorithm.uses_gradient_hooks:
+        self._forward = algorithm.on_gradient_ready if algorithm.uses_gradient_hooks else None
+        if algorithm.uses_gradient_hooks or self.guard.active:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     # -- setup ---------------------------------------------------------------------------
     def _make_hook(self, index: int):
-        algorithm = self.algorithm
+        guard, forward = self.guard, self._forward
 
-        def hook(_param: torch.Tensor) -> None:
-            algorithm.on_gradient_ready(index)
+        if not guard.active:
+            def hook(_param: torch.Tensor) -> None:
+                forward(index)
+        else:
+            def hook(_param: torch.Tensor) -> None:
+                guard.on_gradient(index, forward)
         return hook
+
+    def agreement_fields(self, nonfinite: str) -> dict[str, Any]:
+        """What every rank must agree on before training (see :mod:`lowband.agreement`)."""
+        return {
+            "algorithm": self.algorithm.config(),
+            "parameters": {n: [list(p.shape), str(p.dtype)] for n, p in zip(self.names, self.params)},
+            "buffers": {n: [list(b.shape), str(b.dtype)] for n, b in self.model.named_buffers()},
+            "optimizer": {"type": type(self.optimizer).__name__,
+                          "groups": [{k: v for k, v in g.items() if k != "params"} | {"size": len(g["params"])}
+                                     for g in self.optimizer.param_groups]},
+            "world": {"size": self.comm.world_size, "backend": str(dist.get_backend(self.comm.group))},
+            "nonfinite": nonfinite,
+        }
 
     def _check_optimizer(self) -> None:
         model_ids = {id(p) for p in self.model.parameters()}
@@ -88,10 +114,19 @@ class Engine:
         """Bytes sent/received (wire model), payload bytes, exposed communication wait, steps."""
         return self.comm.stats
 
-    def step(self) -> None:
-        """Finish this iteration's communication and advance the optimizer."""
+    def step(self) -> bool:
+        """Finish this iteration's communication and advance the optimizer. Returns False when
+        the step was skipped on every rank for a non-finite gradient (``nonfinite="skip"``);
+        callers then leave their LR scheduler alone, as if the step had not happened."""
+        if self.guard.active:
+            if not self.guard.check(self.comm.stats.steps + 1):
+                self.comm.stats.steps += 1
+                self.comm.stats.skipped_steps += 1
+                return False
+            self.guard.replay(self._forward)
         self.algorithm.step()
         self.comm.stats.steps += 1
+        return True
 
     def synchronize(self) -> None:
         """Drain in-flight work (the model then holds the global weights) and average the
@@ -140,6 +175,7 @@ def distribute(
     algorithm: "str | Algorithm" = "ssgd",
     *,
     process_group: Optional[dist.ProcessGroup] = None,
+    nonfinite: str = "raise",
     **algorithm_options: Any,
 ) -> Engine:
     """Make ``model`` train data-parallel with ``algorithm`` (a registry name such as
@@ -148,5 +184,10 @@ def distribute(
     Requires an initialized torch.distributed process group. Rank 0's parameters and
     buffers are broadcast so all ranks start identical. Call ``engine.module`` for forward
     (it is ``model`` itself unless the algorithm wraps it).
+
+    Reliability (docs/reliability.md): all ranks first check that they agree on the
+    algorithm configuration, parameter layout, optimizer and world (else every rank raises
+    :class:`lowband.ConfigMismatchError`); ``nonfinite`` ("raise", "skip" or "off") is what
+    every rank does, together, when some rank's gradient holds a NaN or Inf.
     """
-    return Engine(model, optimizer, make_algorithm(algorithm, **algorithm_options), process_group)
+    return Engine(model, optimizer, make_algorithm(algorithm, **algorithm_options), process_group, nonfinite)

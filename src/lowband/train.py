@@ -1,12 +1,16 @@
 """The training loop one worker runs (inside an initialized process group)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
+import random
 import time
 from datetime import timedelta
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -14,8 +18,9 @@ from torch import nn
 
 from .config import TrainConfig
 from .data import ShardedBatches, TensorDataset, load_dataset
-from .engine import distribute
-from .metrics import MetricsWriter, format_table, write_json_atomic
+from . import checkpoint, rendezvous
+from .engine import Engine, distribute
+from .metrics import MetricsWriter, format_table, read_jsonl, write_json_atomic
 from .models import make_model
 
 
@@ -60,15 +65,50 @@ def init_process_group(cfg: TrainConfig) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("LOWBAND_BACKEND") == "nccl" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    rendezvous.init_process_group(backend, timedelta(seconds=cfg.timeout_s))
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from (dropout, augmentation), as tensors and plain
+    containers so the checkpoint loads with ``weights_only=True``."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _trim_metrics(run_dir: str, step: int) -> None:
+    """On resume, drop records of steps after the checkpoint (the crashed run got further
+    than its last checkpoint); the resumed run appends from there."""
+    for name in ("steps.jsonl", "epochs.jsonl"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+            checkpoint.atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
 
 def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
-    """Train one worker's share; rank 0 returns (and writes) the run summary."""
+    """Train one worker's share; rank 0 returns (and writes) the run summary. With
+    ``cfg.resume`` the run continues from the latest checkpoint in ``cfg.run_dir``, taking
+    exactly the steps the uninterrupted run would have taken."""
     init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)          # a run is a function of its config, whichever RNG a step uses
+    np.random.seed(cfg.seed)
 
     train = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.seed)
     test = load_dataset(cfg.dataset, "test", cfg.data_dir, cfg.seed)
@@ -80,12 +120,41 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     model = make_model(cfg.model)
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, total_steps)
-    engine = distribute(model, optimizer, cfg.algorithm, **cfg.algorithm_options)
+    engine = distribute(model, optimizer, cfg.algorithm, nonfinite=cfg.nonfinite, **cfg.algorithm_options)
+
+    step, start_epoch, start_in_epoch = 0, 0, 0
+    train_time = wait_total = 0.0
+    if cfg.resume:
+        manifest = checkpoint.read_manifest(cfg.run_dir)
+        checkpoint.check_resumable(manifest, dataclasses.asdict(cfg), world)
+        state = checkpoint.load(cfg.run_dir, rank, world, manifest)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        engine.load_state_dict(state["engine"])
+        _set_rng_state(state["rng"])
+        step, start_epoch, start_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        train_time, wait_total = state["train_s"], state["comm_wait_s"]
+        if rank == 0:
+            _trim_metrics(cfg.run_dir, step)
+
+    def save_checkpoint(epoch: int, next_in_epoch: int) -> None:
+        if next_in_epoch == batches.steps_per_epoch:
+            epoch, next_in_epoch = epoch + 1, 0
+        state = {"epoch": epoch, "step_in_epoch": next_in_epoch, "model": model.state_dict(),
+                 "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "engine": engine.state_dict(), "rng": _rng_state(),
+                 "train_s": train_time, "comm_wait_s": wait_total}
+        info = {"epoch": epoch, "step_in_epoch": next_in_epoch, "config": dataclasses.asdict(cfg)}
+        checkpoint.save(cfg.run_dir, rank, world, step, state, info, dist.barrier, cfg.keep_checkpoints)
+
     writer = MetricsWriter(cfg.run_dir, enabled=(rank == 0))
     progress = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
-        progress = tqdm(total=total_steps, desc=f"{cfg.algorithm} x{world}", unit="step", leave=False)
+        progress = tqdm(total=total_steps, initial=step, desc=f"{cfg.algorithm} x{world}", unit="step", leave=False)
 
     def evaluate_and_record(epoch: int) -> tuple[float, float]:
         """Drain, score the global model, and log it (train_s excludes evaluation time)."""
@@ -95,24 +164,20 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                       "wall_s": time.perf_counter() - wall0, "train_s": train_time})
         return acc, tl
 
-    step = 0
-    train_time = 0.0
-    wait_total = 0.0
     accuracy = test_loss = float("nan")
     wall0 = time.perf_counter()
-    for epoch in range(cfg.epochs):
+    for epoch in range(start_epoch, cfg.epochs):
         if step >= total_steps:
             break
-        for x, y in batches.epoch(epoch):
-            if step >= total_steps:
-                break
+        first = start_in_epoch if epoch == start_epoch else 0
+        for in_epoch, (x, y) in enumerate(batches.epoch(epoch, first), start=first):
             before = engine.stats.snapshot()
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(engine.module(x), y)
             loss.backward()
-            engine.step()
-            if scheduler is not None:
+            applied = engine.step()
+            if applied and scheduler is not None:
                 scheduler.step()
             t1 = time.perf_counter()
             after = engine.stats
@@ -122,23 +187,29 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             wait_total += wait
             step += 1
             loss_value = loss.item()
-            if not math.isfinite(loss_value):
+            if not math.isfinite(loss_value) and cfg.nonfinite == "off":
+                # with a guard the engine already decided, together with all ranks
                 raise FloatingPointError(f"rank {rank}: loss became {loss_value} at step {step}")
             writer.step({
                 "step": step, "epoch": epoch, "loss": loss_value, "step_s": step_s,
                 "compute_s": step_s - wait, "comm_wait_s": wait,
                 "bytes_sent": after.bytes_sent - before["bytes_sent"],
                 "bytes_received": after.bytes_received - before["bytes_received"],
-                "lr": optimizer.param_groups[0]["lr"],
+                "lr": optimizer.param_groups[0]["lr"], "skipped": not applied,
             })
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_s:.0f}")
-            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < total_steps:
+            end_of_run = step >= total_steps
+            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not end_of_run:
                 accuracy, test_loss = evaluate_and_record(epoch)
-        end_of_run = step >= total_steps
-        if cfg.eval_every_epoch or end_of_run:
-            accuracy, test_loss = evaluate_and_record(epoch)
+            if (cfg.eval_every_epoch and in_epoch + 1 == batches.steps_per_epoch) or end_of_run:
+                # evaluated before the checkpoint of this step, so a resume never repeats it
+                accuracy, test_loss = evaluate_and_record(epoch)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or end_of_run):
+                save_checkpoint(epoch, in_epoch + 1)
+            if end_of_run:
+                break
     engine.synchronize()
     if math.isnan(accuracy):
         accuracy, test_loss = evaluate(engine.module, test, rank, world)
@@ -154,7 +225,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         summary = {
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
             "workers": world, "model": cfg.model, "dataset": cfg.dataset,
-            "batch_size": cfg.batch_size, "steps": step,
+            "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
             "test_accuracy": accuracy, "test_loss": test_loss,
             "wall_s": wall, "train_s": train_time,
             "step_ms": 1e3 * train_time / max(1, step),

@@ -1,10 +1,39 @@
-"""Entry point of one spawned worker: ``python -m lowband.worker RUN_DIR/config.json``."""
+"""Entry point of one spawned worker: ``python -m lowband.worker RUN_DIR/config.json``.
+
+Failures that lowband detects on purpose (ranks that disagree, a non-finite gradient, an
+unusable checkpoint, a peer that died or went silent) end the worker with one line naming
+its rank and exit status 1; anything else keeps its traceback.
+"""
 from __future__ import annotations
 
+import os
 import sys
+from typing import NoReturn
 
+import torch.distributed as dist
+
+from .agreement import ConfigMismatchError
+from .checkpoint import CheckpointError
 from .config import TrainConfig
+from .guard import NonFiniteGradientError
 from .train import run_worker
+
+EXIT_FAILURE = 1
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A broken or timed-out collective. gloo raises plain RuntimeErrors whose text names its
+    own source files; newer torch code raises DistError subclasses."""
+    return isinstance(e, dist.DistError) or "gloo" in str(e)
+
+
+def fail(message: str) -> NoReturn:
+    """Report and leave at once. A normal interpreter exit would run the process group's
+    destructors with collectives still in flight on a broken connection, which aborts the
+    process (SIGABRT, "terminate called without an active exception") and hides the status."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_FAILURE)
 
 
 def main(argv: list[str]) -> int:
@@ -13,7 +42,17 @@ def main(argv: list[str]) -> int:
         return 2
     with open(argv[0]) as f:
         cfg = TrainConfig.from_json(f.read())
-    run_worker(cfg)
+    rank = os.environ.get("RANK", "?")
+    try:
+        run_worker(cfg)
+    except (ConfigMismatchError, NonFiniteGradientError, CheckpointError) as e:
+        fail(f"lowband worker rank {rank}: error: {e}")
+    except RuntimeError as e:
+        if not is_peer_failure(e):
+            raise
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fail(f"lowband worker rank {rank}: error: lost contact with the other workers (one died or sent "
+             f"nothing for --timeout {cfg.timeout_s:g} s): {first_line}")
     return 0
 
 

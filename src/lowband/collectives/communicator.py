@@ -28,6 +28,7 @@ class CommStats:
     grow; callers diff snapshots."""
 
     steps: int = 0
+    skipped_steps: int = 0          # steps dropped on all ranks for a non-finite gradient
     calls: int = 0
     payload_bytes: int = 0
     bytes_sent: int = 0

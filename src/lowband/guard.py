@@ -1,0 +1,148 @@
+"""The engine's non-finite gradient guard: one agreed decision per step, before the algorithm
+is allowed to apply anything.
+
+A NaN on one rank is a *distributed* problem: averaged into the all-reduce it poisons every
+rank's model, and a check on local data alone (``if not loss.isfinite(): raise``) stops one
+rank while the others wait in their next collective until the timeout. The guard therefore
+checks each gradient as it becomes ready (inside the engine's gradient hook, overlapping
+with the rest of backward), and at ``engine.step()`` all ranks exchange their first bad
+parameter index (one int64 per rank, in one tiny MAX all-reduce) and take the same decision:
+
+* ``"raise"`` (default): every rank raises :class:`NonFiniteGradientError` naming the step,
+  the bad ranks and each one's first bad parameter. Gradients keep streaming to the
+  algorithm during backward (overlap is kept); the error is raised before
+  ``algorithm.step()``, so the optimizer never applies the step, and the engine refuses any
+  further use (the algorithm may already have folded the bad gradients into its state).
+* ``"skip"``: the algorithm is not told about any gradient until the step is known to be
+  finite (the hook only records the ready order and replays it at ``step()``), so a skipped
+  step leaves the model, the optimizer and the algorithm state (residuals, lazy sums)
+  untouched; gradients are dropped and ``stats.skipped_steps`` counts it. The price is the
+  overlap of communication with backward (measured in docs/reliability.md).
+* ``"off"``: no check, no extra collective.
+
+The exchange runs on a dedicated process group: under ``"raise"`` the algorithm's own
+collectives may still be in flight, and their number per rank can differ at this point
+(a bucket with a rank-specific unused parameter launches only in ``algorithm.step()``), so
+sharing their group would pair the check with a gradient bucket on some rank.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives.communicator import Communicator
+
+NONFINITE_POLICIES = ("raise", "skip", "off")
+#: "no bad parameter" in the exchanged per-rank index
+ALL_FINITE = -1
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> timedelta:
+    """The collective timeout ``group`` was created with. ``new_group`` does not inherit it
+    (it defaults to 30 minutes), and a guard exchange that waits that long on a dead peer
+    would defeat ``--timeout``. torch has no public getter, hence the fallback."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor: no NaN/Inf in ``t``. On CPU a finite sum proves it in one pass with
+    no temporary (a NaN or Inf always makes the sum NaN or Inf); only a non-finite sum, which
+    may also be an overflow of finite values, pays for the exact element-wise test. On an
+    accelerator the exact test is cheap and avoids a host sync per parameter."""
+    if t.device.type == "cpu":
+        ok = torch.isfinite(t.sum())
+        return ok if bool(ok) else torch.isfinite(t).all()
+    return torch.isfinite(t).all()
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Some rank produced a NaN/Inf gradient (raised identically on every rank)."""
+
+    def __init__(self, step: int, bad: dict[int, str]):
+        self.step = step
+        self.bad = bad   # rank -> name of its first parameter with a non-finite gradient
+        where = ", ".join(f"rank {r} (first parameter {name!r})" for r, name in bad.items())
+        super().__init__(f"non-finite gradient at step {step} on {where}; "
+                         "lower the learning rate, or pass nonfinite='skip' (CLI: --nonfinite skip) "
+                         "to drop such steps on all ranks")
+
+
+class GradientGuard:
+    """Checks gradients in the engine's hook and decides, with all ranks, whether a step applies."""
+
+    def __init__(self, policy: str, names: Sequence[str], params: Sequence[torch.nn.Parameter],
+                 group: Optional[dist.ProcessGroup]):
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.names = list(names)
+        self.params = list(params)
+        self.deferring = policy == "skip"
+        self.failed: Optional[NonFiniteGradientError] = None
+        self._finite: list[tuple[int, torch.Tensor]] = []
+        self._ready: list[int] = []
+        self.comm: Optional[Communicator] = None
+        if policy != "off" and dist.get_world_size(group) > 1:
+            # every rank creates it in the same order (inside distribute), as new_group requires
+            ranks = dist.get_process_group_ranks(group) if group is not None else None
+            group_ = dist.new_group(ranks=ranks, backend="gloo", timeout=group_timeout(group))
+            # own counters: the engine's stats measure the algorithm's traffic, which the
+            # benchmarks compare byte for byte; the guard's few bytes are reported apart
+            self.comm = Communicator(group_)
+
+    @property
+    def active(self) -> bool:
+        return self.policy != "off"
+
+    def on_gradient(self, index: int, forward: Optional[Callable[[int], None]]) -> None:
+        """Hook body: record whether this gradient is finite; forward it now unless deferring."""
+        grad = self.params[index].grad
+        if grad is not None:
+            self._finite.append((index, all_finite(grad)))
+        if self.deferring:
+            self._ready.append(index)
+        elif forward is not None:
+            forward(index)
+
+    def _first_bad(self) -> int:
+        """This rank's first parameter index (registration order) with a non-finite gradient."""
+        bad = [i for i, ok in self._finite if not bool(ok)]
+        return min(bad) if bad else ALL_FINITE
+
+    def check(self, step: int) -> bool:
+        """Agree on this step; True if it may be applied. Raises or clears gradients otherwise."""
+        if self.failed is not None:
+            raise RuntimeError("the engine stopped after a non-finite gradient and cannot continue") from self.failed
+        # slot r holds rank r's first bad index; a MAX all-reduce of these few int64 fills
+        # every slot on every rank (cheaper to set up than an all-gather, same bytes)
+        world = 1 if self.comm is None else self.comm.world_size
+        rank = 0 if self.comm is None else self.comm.rank
+        everyone = torch.full((world,), ALL_FINITE, dtype=torch.int64)
+        everyone[rank] = self._first_bad()
+        self._finite.clear()
+        if self.comm is not None:
+            self.comm.all_reduce(everyone, op=dist.ReduceOp.MAX)
+        bad = {r: self.names[int(i)] for r, i in enumerate(everyone.tolist()) if i != ALL_FINITE}
+        if not bad:
+            return True
+        if self.policy == "raise":
+            self.failed = NonFiniteGradientError(step, bad)
+            raise self.failed
+        self._ready.clear()
+        for p in self.params:
+            p.grad = None
+        return False
+
+    def replay(self, forward: Optional[Callable[[int], None]]) -> None:
+        """Tell the algorithm, in the order backward produced them, about the deferred gradients."""
+        ready, self._ready = self._ready, []
+        if forward is not None:
+            for index in ready:
+                forward(index)

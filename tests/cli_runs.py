@@ -1,0 +1,95 @@
+"""Helpers for tests that run ``lowband train`` as a real command (workers are subprocesses)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(REPO, "src")
+#: a tiny, fast run: the mlp on synthetic data, 256 steps per epoch with 2 workers
+SMALL = ["--workers", "2", "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress"]
+#: generous bound on one small run (a loaded 2-core machine needs ~10 s to start torch twice)
+RUN_DEADLINE_S = 120.0
+POLL_S = 0.05
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = SRC + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e.update(extra)
+    return e
+
+
+def command(args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "lowband.cli", "train", *args]
+
+
+def train(args: Sequence[str], **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(args), env=env(**extra_env), capture_output=True, text=True,
+                          timeout=RUN_DEADLINE_S)
+
+
+def start(args: Sequence[str], **extra_env: str) -> subprocess.Popen:
+    return subprocess.Popen(command(args), env=env(**extra_env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(predicate, deadline_s: float, what: str) -> None:
+    """Bounded polling for a condition another process brings about."""
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+        time.sleep(POLL_S)
+
+
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def rank_of(pid: int) -> Optional[int]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        for item in f.read().split(b"\0"):
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    return None
+
+
+def workers_by_rank(cli_pid: int, world: int, deadline_s: float = RUN_DEADLINE_S) -> dict[int, int]:
+    found: dict[int, int] = {}
+
+    def all_started() -> bool:
+        for pid in children(cli_pid):
+            try:
+                r = rank_of(pid)
+            except OSError:
+                continue
+            if r is not None:
+                found[r] = pid
+        return len(found) == world
+    wait_until(all_started, deadline_s, f"{world} workers of lowband train (pid {cli_pid})")
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def steps_logged(run_dir: str) -> int:
+    try:
+        with open(os.path.join(run_dir, "steps.jsonl")) as f:
+            return sum(1 for line in f if line.strip())
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,131 @@
+"""Engine-level reliability: rank agreement at distribute() and the non-finite gradient policy
+(multi-process, gloo)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowband
+from lowband.agreement import describe_difference
+from lowband.data import ShardedBatches, make_synthetic
+
+from .distributed import run_distributed
+
+#: a mismatch must be reported well before any collective timeout (run_distributed uses 90 s)
+MISMATCH_DEADLINE_S = 10.0
+
+
+def _mismatch(rank: int, world: int, kind: str):
+    torch.manual_seed(0)
+    width = 8 + rank if kind == "model" and rank == world - 1 else 8
+    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bucket_mb = 1.0 + rank if kind == "algorithm" and rank == 1 else 1.0
+    t0 = time.monotonic()
+    try:
+        lowband.distribute(model, opt, "ssgd", bucket_mb=bucket_mb, nonfinite="ignore" if kind == "policy" else "raise")
+    except (lowband.ConfigMismatchError, ValueError) as e:
+        return str(e), getattr(e, "field", None), time.monotonic() - t0
+    return None, None, time.monotonic() - t0
+
+
+def _mismatches(rank: int, world: int) -> dict:
+    # one spawn for all cases: a failed agreement leaves every rank at the same collective count
+    return {kind: _mismatch(rank, world, kind) for kind in ("algorithm", "model", "policy")}
+
+
+@pytest.fixture(scope="module")
+def mismatch_results() -> list[dict]:
+    return run_distributed(_mismatches, 3)
+
+
+@pytest.mark.parametrize("kind, field, needle", [
+    ("algorithm", "algorithm", "ranks disagree on 'algorithm': ['bucket_mb'] is 1.0 on ranks 0,2; 2.0 on rank 1"),
+    ("model", "parameters", "ranks disagree on 'parameters': ['0.weight'] is [[8, 4], \"torch.float32\"] on ranks 0,1; "
+                            "[[10, 4], \"torch.float32\"] on rank 2"),
+    ("policy", None, "nonfinite must be one of raise, skip, off, got 'ignore'"),
+])
+def test_mismatched_ranks_all_raise_the_same_clear_error(mismatch_results, kind, field, needle):
+    results = [r[kind] for r in mismatch_results]
+    messages = {r[0] for r in results}
+    assert len(messages) == 1, messages                      # every rank, the same message
+    assert messages.pop() == needle
+    assert all(r[1] == field for r in results)
+    assert max(r[2] for r in results) < MISMATCH_DEADLINE_S
+
+
+def test_describe_difference_names_the_first_differing_entry():
+    assert describe_difference([[1, 2, 3], [1, 5, 3]]) == "entry #1 is 2 on rank 0; 5 on rank 1"
+    assert describe_difference([{"a": 1}, {"a": 1, "b": 2}]) == "['b'] is \"<absent>\" on rank 0; 2 on rank 1"
+
+
+STEPS = 6
+BAD_STEP = 3          # 1-based engine step at which one rank's gradient goes NaN
+BAD_RANK = 1
+BATCH = 8
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def _nan_run(rank: int, world: int, policy: str, inject: bool):
+    """STEPS steps with SGD+momentum; with ``inject``, rank BAD_RANK's loss is NaN at BAD_STEP.
+    Without it, the batch of BAD_STEP is left out altogether (the "never happened" reference)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    engine = lowband.distribute(model, opt, lowband.SSGD(bucket_mb=0.01), nonfinite=policy)
+    it = ShardedBatches(make_synthetic(512, seed=1), BATCH, rank, world, seed=3).epoch(0)
+    applied = []
+    for step in range(1, STEPS + 1):
+        x, y = next(it)
+        if step == BAD_STEP and not inject:
+            continue
+        opt.zero_grad()
+        loss = F.cross_entropy(engine.module(x), y)
+        if step == BAD_STEP and rank == BAD_RANK:
+            loss = loss + float("nan") * model[3].bias.sum()    # NaN in that one gradient only
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            applied.append(engine.step())
+        except lowband.NonFiniteGradientError as e:
+            unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            return {"error": str(e), "step": e.step, "bad": e.bad, "unchanged": unchanged}
+    engine.synchronize()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "applied": applied, "skipped": engine.stats.skipped_steps}
+
+
+def _nan_runs(rank: int, world: int) -> dict:
+    return {"raise": _nan_run(rank, world, "raise", True), "skip": _nan_run(rank, world, "skip", True),
+            "reference": _nan_run(rank, world, "skip", False)}
+
+
+@pytest.fixture(scope="module")
+def nan_results() -> list[dict]:
+    return run_distributed(_nan_runs, 3)
+
+
+def test_nonfinite_raise_stops_every_rank_naming_step_rank_parameter(nan_results):
+    for r in (n["raise"] for n in nan_results):
+        assert r["step"] == BAD_STEP and r["bad"] == {BAD_RANK: "3.bias"}
+        assert r["error"].startswith(f"non-finite gradient at step {BAD_STEP} on rank {BAD_RANK} "
+                                     "(first parameter '3.bias')"), r["error"]
+        assert r["unchanged"]        # the optimizer never applied the poisoned step
+
+
+def test_nonfinite_skip_equals_a_run_without_that_step(nan_results):
+    first = nan_results[0]["skip"]["params"]
+    for n in nan_results:
+        r, ref = n["skip"], n["reference"]
+        assert r["skipped"] == 1 and r["applied"] == [True, True, False, True, True, True]
+        assert ref["skipped"] == 0
+        for name, p in ref["params"].items():
+            assert torch.equal(r["params"][name], p), name           # bit-exact
+            assert torch.equal(r["params"][name], first[name]), name  # ranks identical

@@ -1,0 +1,66 @@
+"""A worker of ``lowband train`` that dies or stops responding ends the whole run: the others
+exit with a message, the command exits non-zero naming the failed rank, no process remains."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import lowband
+
+from .cli_runs import SMALL, RUN_DEADLINE_S, alive, start, steps_logged, wait_until, workers_by_rank
+
+ENDLESS = ["--epochs", "1000"]
+#: --timeout of the stopped-worker run: short, because the test waits for it, but --timeout
+#: also bounds start-up skew between workers, which reaches seconds on a loaded 2-core machine
+TIMEOUT_S = 6.0
+#: --timeout of the killed-worker run: a dead peer must be noticed at once (connection
+#: reset), not by waiting for the timeout, so this is deliberately far above KILL_NOTICE_S
+KILL_TIMEOUT_S = 120.0
+KILL_NOTICE_S = 15.0
+#: lowband.cli.TEARDOWN_S plus process start-up slack
+TEARDOWN_S = 5.0 + 5.0
+
+
+def _start_and_wait_for_training(tmp_path, algorithm: str, timeout_s: float):
+    run_dir = str(tmp_path / "run")
+    proc = start([*SMALL, *ENDLESS, "--algorithm", algorithm, "--timeout", str(timeout_s), "--run-dir", run_dir])
+    workers = workers_by_rank(proc.pid, 2)
+    wait_until(lambda: steps_logged(run_dir) >= 2 or proc.poll() is not None, RUN_DEADLINE_S, "training steps")
+    assert proc.poll() is None, proc.communicate()
+    return proc, workers
+
+
+@pytest.mark.parametrize("algorithm", sorted(lowband.ALGORITHMS))
+def test_killed_worker_ends_the_run_with_a_precise_message(tmp_path, algorithm):
+    proc, workers = _start_and_wait_for_training(tmp_path, algorithm, KILL_TIMEOUT_S)
+    os.kill(workers[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=KILL_NOTICE_S)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    # the survivor noticed by itself (a broken connection), long before --timeout
+    assert elapsed < KILL_NOTICE_S
+    assert "lowband worker rank 0: error: lost contact with the other workers (one died or sent nothing " \
+           f"for --timeout {KILL_TIMEOUT_S:g} s)" in err, err
+    assert "lowband: error: worker rank 1 was killed by signal SIGKILL (first to fail); " \
+           "rank 0 exited with status 1" in err, err
+    assert not any(alive(pid) for pid in workers.values())
+
+
+def test_stopped_worker_is_reported_after_the_timeout_and_cleaned_up(tmp_path):
+    proc, workers = _start_and_wait_for_training(tmp_path, "ssgd", TIMEOUT_S)
+    os.kill(workers[1], signal.SIGSTOP)     # alive but silent: only the timeout can tell
+    try:
+        _, err = proc.communicate(timeout=2 * TIMEOUT_S + 2 * TEARDOWN_S)
+    finally:
+        if alive(workers[1]):
+            os.kill(workers[1], signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "lowband worker rank 0: error: lost contact with the other workers (one died or sent nothing " \
+           f"for --timeout {TIMEOUT_S:g} s)" in err, err
+    assert "lowband: error: worker rank 0 exited with status 1 (first to fail); " \
+           "rank 1 did not exit within the grace period and was terminated" in err, err
+    assert not any(alive(pid) for pid in workers.values())
