@@ -19,7 +19,7 @@ from torch import nn
 from .config import TrainConfig
 from .data import ShardedBatches, TensorDataset, load_dataset
 from . import checkpoint, rendezvous
-from .engine import Engine, distribute
+from .engine import distribute
 from .metrics import MetricsWriter, format_table, read_jsonl, write_json_atomic
 from .models import make_model
 
