@@ -7,10 +7,18 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import lowband
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(REPO, "src")
 #: a tiny, fast run: the mlp on synthetic data, 256 steps per epoch with 2 workers
 SMALL = ["--workers", "2", "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress"]
+#: Algorithms whose command-line failure and resume paths are exercised by default: one of each
+#: kind of state (none, background compression thread + residuals, pipeline, lazy accumulators,
+#: DDP). Every algorithm's own state round trip is tested in-process (tests/test_resume.py);
+#: LOWBAND_ALL_ALGORITHMS=1 runs the command-line tests for all of them (about 5 more minutes).
+CLI_ALGORITHMS = sorted(lowband.ALGORITHMS) if os.environ.get("LOWBAND_ALL_ALGORITHMS") == "1" else \
+    ["compressed", "cpsgd", "ddp", "lazy", "ssgd"]
 #: generous bound on one small run (a loaded 2-core machine needs ~10 s to start torch twice)
 RUN_DEADLINE_S = 120.0
 POLL_S = 0.05

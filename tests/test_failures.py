@@ -10,7 +10,7 @@ import pytest
 
 import lowband
 
-from .cli_runs import SMALL, RUN_DEADLINE_S, alive, start, steps_logged, wait_until, workers_by_rank
+from .cli_runs import CLI_ALGORITHMS, SMALL, RUN_DEADLINE_S, alive, start, steps_logged, wait_until, workers_by_rank
 
 ENDLESS = ["--epochs", "1000"]
 #: --timeout of the stopped-worker run: short, because the test waits for it, but --timeout
@@ -33,7 +33,7 @@ def _start_and_wait_for_training(tmp_path, algorithm: str, timeout_s: float):
     return proc, workers
 
 
-@pytest.mark.parametrize("algorithm", sorted(lowband.ALGORITHMS))
+@pytest.mark.parametrize("algorithm", CLI_ALGORITHMS)
 def test_killed_worker_ends_the_run_with_a_precise_message(tmp_path, algorithm):
     proc, workers = _start_and_wait_for_training(tmp_path, algorithm, KILL_TIMEOUT_S)
     os.kill(workers[1], signal.SIGKILL)
