@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 
-import lowband
 from lowband import checkpoint
 from lowband.cli import main as cli_main
 from lowband.metrics import read_jsonl

@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-import lowband
 
 from .cli_runs import CLI_ALGORITHMS, SMALL, RUN_DEADLINE_S, alive, start, steps_logged, wait_until, workers_by_rank
 

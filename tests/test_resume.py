@@ -9,7 +9,7 @@ import torch
 import lowband
 
 from .distributed import run_distributed
-from .training import SmallNet, batches, make_optimizer, params_of, train
+from .training import SmallNet, batches, make_optimizer, params_of
 
 FIRST, SECOND = 5, 4
 #: options that make each algorithm's state matter within FIRST + SECOND steps
