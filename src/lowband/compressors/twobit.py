@@ -21,6 +21,15 @@ the fp32->int8 conversion, which produces the bytes for packing. One ``trunc_`` 
 ``add_(alpha=-t)`` then give the MXNet residual ``r - q``. The products ``t*(+-1)`` are exact,
 so the result is bit-identical except that an exact ``-0.0`` residual may become ``+0.0``.
 NaN inputs give code 0 (as in MXNet) and keep a NaN residual.
+
+Scale-aware mode (lowband addition, *not* MXNet): ``relative=a`` instead of ``threshold`` sets
+``t = a * rms(r)`` per compressed tensor (a bucket, or a two-stage chunk), computed after the
+residual is added, and ships ``t`` as one extra fp32 (like 1-bit's scale). Why: a fixed ``t`` has
+one right value per layer and per phase of training. When ``|g| > t`` an element can send at most
+``t`` per step, so its residual grows without bound and is later replayed as a stale burst (the
+run diverges); when ``t >> |g|`` elements fire rarely, in large delayed bursts. Tying ``t`` to the
+tensor's own RMS keeps every bucket in the regime between the two. Codes, packing and the
+residual update are otherwise identical; ``threshold=`` keeps the exact MXNet semantics.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ class TwoBitQuantizer(Compressor):
     """2-bit threshold quantizer.
 
     Args:
-        threshold: ``t`` (required, > 0), in mean-gradient units (see module docstring).
+        threshold: fixed ``t`` (> 0), in mean-gradient units (see module docstring): exact MXNet.
+        relative: instead of ``threshold``, ``t = relative * rms(r)`` per tensor, sent as one
+            fp32 with the codes (scale-aware mode, see module docstring). Give exactly one.
         block_size: elements processed per cache block on CPU (rounded up to a multiple of 16).
             The default keeps the ~0.9 MiB of scratch (fp32, int8 and two int32/4 buffers) in
             L2. It measured ~1.5x faster than whole-tensor passes through DRAM, and fast
@@ -50,25 +61,46 @@ class TwoBitQuantizer(Compressor):
 
     name = "2bit"
 
-    def __init__(self, threshold: float, block_size: int = 1 << 17) -> None:
-        check_positive("threshold", threshold)
+    def __init__(
+        self, threshold: float | None = None, block_size: int = 1 << 17, relative: float | None = None
+    ) -> None:
+        if (threshold is None) == (relative is None):
+            raise ValueError("2bit needs exactly one of threshold=T (fixed, MXNet) or relative=A (t = A*rms)")
         check_positive("block_size", block_size, int)
+        self.block_size = -(-int(block_size) // CODES_PER_WORD) * CODES_PER_WORD
+        self.relative: float | None = None
+        self.threshold: float | None = None
+        if relative is not None:
+            check_positive("relative", relative)
+            self.relative = float(relative)
+            return
+        check_positive("threshold", threshold)
         self.threshold = float(np.float32(threshold))
         if not np.isfinite(self.threshold) or self.threshold == 0.0:
             raise ValueError(f"threshold {threshold!r} is not a positive finite fp32 number")
-        self.block_size = -(-int(block_size) // CODES_PER_WORD) * CODES_PER_WORD
 
     def __repr__(self) -> str:
-        return f"TwoBitQuantizer(threshold={self.threshold!r}, block_size={self.block_size})"
+        knob = f"relative={self.relative!r}" if self.relative is not None else f"threshold={self.threshold!r}"
+        return f"TwoBitQuantizer({knob}, block_size={self.block_size})"
+
+    def _relative_threshold(self, r: torch.Tensor) -> float:
+        """``relative * rms(r)`` rounded to fp32; floored at the smallest normal fp32 so an
+        all-zero tensor encodes to zero codes instead of dividing by zero."""
+        rms = float(torch.linalg.vector_norm(r)) / max(r.numel(), 1) ** 0.5
+        return max(float(np.float32(self.relative * rms)), float(np.finfo(np.float32).tiny))
 
     def _block(self, n: int, device: torch.device) -> int:
         return max(n, 1) if device.type != "cpu" else self.block_size
 
     # -- core ----------------------------------------------------------------------------------
-    def _encode(self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed words of flat fp32 ``r``. If ``residual``: first ``r += add`` (when given),
-        then ``r -= q`` in place, block by block so the intermediates stay in cache."""
-        n, t = r.numel(), self.threshold
+    def _encode(
+        self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None, t: float | None = None
+    ) -> torch.Tensor:
+        """Packed words of flat fp32 ``r`` at threshold ``t`` (default: the fixed one). If
+        ``residual``: first ``r += add`` (when given), then ``r -= q`` in place, block by block so
+        the intermediates stay in cache."""
+        n = r.numel()
+        t = self.threshold if t is None else t
         words = torch.empty(words_for(n, 2), dtype=torch.int32, device=r.device)
         packed = words.view(torch.uint8)
         block = self._block(n, r.device)
@@ -94,7 +126,12 @@ class TwoBitQuantizer(Compressor):
         return words
 
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[Payload, Ctx]:
-        return [self._encode(flat_fp32(tensor), residual=False)], Ctx(tensor.shape, tensor.dtype, name)
+        r = flat_fp32(tensor)
+        ctx = Ctx(tensor.shape, tensor.dtype, name)
+        if self.relative is None:
+            return [self._encode(r, residual=False)], ctx
+        t = self._relative_threshold(r)
+        return [self._encode(r, residual=False, t=t), torch.tensor([t], dtype=torch.float32, device=r.device)], ctx
 
     def compress_residual_(
         self, buf: torch.Tensor, name: str, add: torch.Tensor | None = None
@@ -102,13 +139,21 @@ class TwoBitQuantizer(Compressor):
         if buf.dtype != torch.float32 or not buf.is_contiguous():
             return super().compress_residual_(buf, name, add)
         flat_add = None if add is None else flat_fp32(add)
-        words = self._encode(buf.view(-1), residual=True, add=flat_add)
-        return [words], Ctx(buf.shape, buf.dtype, name)
+        if self.relative is None:
+            words = self._encode(buf.view(-1), residual=True, add=flat_add)
+            return [words], Ctx(buf.shape, buf.dtype, name)
+        r = buf.view(-1)
+        if flat_add is not None:   # the threshold depends on the corrected buffer: add first
+            r.add_(flat_add)
+        t = self._relative_threshold(r)
+        words = self._encode(r, residual=True, t=t)
+        return [words, torch.tensor([t], dtype=torch.float32, device=r.device)], Ctx(buf.shape, buf.dtype, name)
 
     def decompress(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
         n = ctx.numel
         packed = tensors[0].reshape(-1).view(torch.uint8)
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
+        t = self.threshold if self.relative is None else float(tensors[1].reshape(-1)[0])
         block = self._block(n, packed.device)
         s_buf = scratch.get("2bit.dsigns", min(block, words_for(n, 2) * CODES_PER_WORD), torch.int8, packed.device)
         for start in range(0, n, block):
@@ -116,7 +161,7 @@ class TwoBitQuantizer(Compressor):
             k = ob.numel()
             kpad = words_for(k, 2) * CODES_PER_WORD
             signs = unpack_ternary(packed[start // 4 : (start + kpad) // 4], k, out=s_buf[:kpad])
-            ob.copy_(signs).mul_(self.threshold)
+            ob.copy_(signs).mul_(t)
         return out.reshape(ctx.shape).to(ctx.dtype)
 
     def codes(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
@@ -124,4 +169,5 @@ class TwoBitQuantizer(Compressor):
         return unpack_ternary(tensors[0], ctx.numel).reshape(ctx.shape)
 
     def payload_nbytes(self, shape: Iterable[int] | torch.Size | int) -> int:
-        return 4 * words_for(as_shape(shape).numel(), 2)
+        scale = 0 if self.relative is None else 4   # relative mode ships t as one fp32
+        return 4 * words_for(as_shape(shape).numel(), 2) + scale
