@@ -22,9 +22,11 @@ the fp32->int8 conversion, which produces the bytes for packing. One ``trunc_`` 
 so the result is bit-identical except that an exact ``-0.0`` residual may become ``+0.0``.
 NaN inputs give code 0 (as in MXNet) and keep a NaN residual.
 
-Scale-aware mode (lowband addition, *not* MXNet): ``relative=a`` instead of ``threshold`` sets
-``t = a * rms(r)`` per compressed tensor (a bucket, or a two-stage chunk), computed after the
-residual is added, and ships ``t`` as one extra fp32 (like 1-bit's scale). Why: a fixed ``t`` has
+Scale-aware mode (lowband addition, *not* MXNet): ``relative=a`` instead of ``threshold`` fires
+element i when ``|r_i| >= t = a * rms(r)`` (per compressed tensor: a bucket, or a two-stage
+chunk, after the residual is added) and decodes it as ``+-v`` with ``v = mean(|r_i|)`` over the
+fired elements (as ternary weight networks do), shipped as one extra fp32 like 1-bit's scale.
+``v`` is the L2-optimal value for the fired set, so fired elements leave no systematic residual. Why: a fixed ``t`` has
 one right value per layer and per phase of training. When ``|g| > t`` an element can send at most
 ``t`` per step, so its residual grows without bound and is later replayed as a stale burst (the
 run diverges); when ``t >> |g|`` elements fire rarely, in large delayed bursts. Tying ``t`` to the
@@ -83,24 +85,31 @@ class TwoBitQuantizer(Compressor):
         knob = f"relative={self.relative!r}" if self.relative is not None else f"threshold={self.threshold!r}"
         return f"TwoBitQuantizer({knob}, block_size={self.block_size})"
 
-    def _relative_threshold(self, r: torch.Tensor) -> float:
-        """``relative * rms(r)`` rounded to fp32; floored at the smallest normal fp32 so an
-        all-zero tensor encodes to zero codes instead of dividing by zero."""
+    def _relative_threshold(self, r: torch.Tensor) -> tuple[float, float]:
+        """(threshold ``relative * rms(r)``, decoded value ``mean |r_i|`` over ``|r_i| >= t``),
+        fp32-rounded; the threshold is floored at the smallest normal fp32 so an all-zero
+        tensor encodes to zero codes instead of dividing by zero."""
         rms = float(torch.linalg.vector_norm(r)) / max(r.numel(), 1) ** 0.5
-        return max(float(np.float32(self.relative * rms)), float(np.finfo(np.float32).tiny))
+        t = max(float(np.float32(self.relative * rms)), float(np.finfo(np.float32).tiny))
+        fired = r.abs()
+        fired = fired[fired >= t]
+        v = float(np.float32(fired.mean())) if fired.numel() else t
+        return t, v
 
     def _block(self, n: int, device: torch.device) -> int:
         return max(n, 1) if device.type != "cpu" else self.block_size
 
     # -- core ----------------------------------------------------------------------------------
     def _encode(
-        self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None, t: float | None = None
+        self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None,
+        t: float | None = None, v: float | None = None,
     ) -> torch.Tensor:
-        """Packed words of flat fp32 ``r`` at threshold ``t`` (default: the fixed one). If
-        ``residual``: first ``r += add`` (when given), then ``r -= q`` in place, block by block so
-        the intermediates stay in cache."""
+        """Packed words of flat fp32 ``r`` at threshold ``t`` (default: the fixed one), decoding
+        to ``+-v`` (default ``t``). If ``residual``: first ``r += add`` (when given), then
+        ``r -= q`` in place, block by block so the intermediates stay in cache."""
         n = r.numel()
         t = self.threshold if t is None else t
+        v = t if v is None else v
         words = torch.empty(words_for(n, 2), dtype=torch.int32, device=r.device)
         packed = words.view(torch.uint8)
         block = self._block(n, r.device)
@@ -121,7 +130,7 @@ class TwoBitQuantizer(Compressor):
             signs[:k].copy_(y)  # fp32 -> int8 truncates toward zero: {-1, 0, +1}
             if residual:
                 y.trunc_()
-                rb.add_(y, alpha=-t)  # r - t*code; t*code is exact, so this is MXNet's r - q
+                rb.add_(y, alpha=-v)  # r - v*code; v*code is exact, so with v = t this is MXNet's r - q
             pack_ternary(signs, out=packed[start // 4 : (start + kpad) // 4])
         return words
 
@@ -130,8 +139,8 @@ class TwoBitQuantizer(Compressor):
         ctx = Ctx(tensor.shape, tensor.dtype, name)
         if self.relative is None:
             return [self._encode(r, residual=False)], ctx
-        t = self._relative_threshold(r)
-        return [self._encode(r, residual=False, t=t), torch.tensor([t], dtype=torch.float32, device=r.device)], ctx
+        t, v = self._relative_threshold(r)
+        return [self._encode(r, residual=False, t=t), torch.tensor([v], dtype=torch.float32, device=r.device)], ctx
 
     def compress_residual_(
         self, buf: torch.Tensor, name: str, add: torch.Tensor | None = None
@@ -145,9 +154,9 @@ class TwoBitQuantizer(Compressor):
         r = buf.view(-1)
         if flat_add is not None:   # the threshold depends on the corrected buffer: add first
             r.add_(flat_add)
-        t = self._relative_threshold(r)
-        words = self._encode(r, residual=True, t=t)
-        return [words, torch.tensor([t], dtype=torch.float32, device=r.device)], Ctx(buf.shape, buf.dtype, name)
+        t, v = self._relative_threshold(r)
+        words = self._encode(r, residual=True, t=t, v=v)
+        return [words, torch.tensor([v], dtype=torch.float32, device=r.device)], Ctx(buf.shape, buf.dtype, name)
 
     def decompress(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
         n = ctx.numel
@@ -169,5 +178,5 @@ class TwoBitQuantizer(Compressor):
         return unpack_ternary(tensors[0], ctx.numel).reshape(ctx.shape)
 
     def payload_nbytes(self, shape: Iterable[int] | torch.Size | int) -> int:
-        scale = 0 if self.relative is None else 4   # relative mode ships t as one fp32
+        scale = 0 if self.relative is None else 4   # relative mode ships v as one fp32
         return 4 * words_for(as_shape(shape).numel(), 2) + scale
