@@ -26,12 +26,15 @@ Scale-aware mode (lowband addition, *not* MXNet): ``relative=a`` instead of ``th
 element i when ``|r_i| >= t = a * rms(r)`` (per compressed tensor: a bucket, or a two-stage
 chunk, after the residual is added) and decodes it as ``+-v`` with ``v = mean(|r_i|)`` over the
 fired elements (as ternary weight networks do), shipped as one extra fp32 like 1-bit's scale.
-``v`` is the L2-optimal value for the fired set, so fired elements leave no systematic residual. Why: a fixed ``t`` has
-one right value per layer and per phase of training. When ``|g| > t`` an element can send at most
+``v`` is the L2-optimal value for the fired set, so fired elements leave no systematic residual.
+Why: a fixed ``t`` has one right value per layer and per phase of training. When ``|g| > t`` an element can send at most
 ``t`` per step, so its residual grows without bound and is later replayed as a stale burst (the
 run diverges); when ``t >> |g|`` elements fire rarely, in large delayed bursts. Tying ``t`` to the
 tensor's own RMS keeps every bucket in the regime between the two. Codes, packing and the
 residual update are otherwise identical; ``threshold=`` keeps the exact MXNet semantics.
+``scale_block=B`` gives every B consecutive elements their own ``t`` and ``v`` (one fp32 each):
+a bucket concatenates layers whose gradient scales differ by >10x, and one scale for all of them
+lets the small layers rarely fire (stale residuals) while the large ones saturate.
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ class TwoBitQuantizer(Compressor):
 
     Args:
         threshold: fixed ``t`` (> 0), in mean-gradient units (see module docstring): exact MXNet.
-        relative: instead of ``threshold``, ``t = relative * rms(r)`` per tensor, sent as one
-            fp32 with the codes (scale-aware mode, see module docstring). Give exactly one.
+        relative: instead of ``threshold``, fire at ``t = relative * rms(r)`` and decode to the
+            fired elements' mean magnitude, sent as fp32 with the codes (scale-aware mode, see
+            module docstring). Give exactly one.
+        scale_block: relative mode only: elements sharing one scale (None: the whole tensor).
         block_size: elements processed per cache block on CPU (rounded up to a multiple of 16).
             The default keeps the ~0.9 MiB of scratch (fp32, int8 and two int32/4 buffers) in
             L2. It measured ~1.5x faster than whole-tensor passes through DRAM, and fast
@@ -64,7 +69,8 @@ class TwoBitQuantizer(Compressor):
     name = "2bit"
 
     def __init__(
-        self, threshold: float | None = None, block_size: int = 1 << 17, relative: float | None = None
+        self, threshold: float | None = None, block_size: int = 1 << 17, relative: float | None = None,
+        scale_block: int | None = None,
     ) -> None:
         if (threshold is None) == (relative is None):
             raise ValueError("2bit needs exactly one of threshold=T (fixed, MXNet) or relative=A (t = A*rms)")
@@ -72,6 +78,12 @@ class TwoBitQuantizer(Compressor):
         self.block_size = -(-int(block_size) // CODES_PER_WORD) * CODES_PER_WORD
         self.relative: float | None = None
         self.threshold: float | None = None
+        self.scale_block: int | None = None
+        if scale_block is not None:
+            if relative is None:
+                raise ValueError("scale_block applies to relative mode only")
+            check_positive("scale_block", scale_block, int)
+            self.scale_block = int(scale_block)
         if relative is not None:
             check_positive("relative", relative)
             self.relative = float(relative)
@@ -82,34 +94,49 @@ class TwoBitQuantizer(Compressor):
             raise ValueError(f"threshold {threshold!r} is not a positive finite fp32 number")
 
     def __repr__(self) -> str:
-        knob = f"relative={self.relative!r}" if self.relative is not None else f"threshold={self.threshold!r}"
+        knob = (f"relative={self.relative!r}, scale_block={self.scale_block!r}" if self.relative is not None
+                else f"threshold={self.threshold!r}")
         return f"TwoBitQuantizer({knob}, block_size={self.block_size})"
-
-    def _relative_threshold(self, r: torch.Tensor) -> tuple[float, float]:
-        """(threshold ``relative * rms(r)``, decoded value ``mean |r_i|`` over ``|r_i| >= t``),
-        fp32-rounded; the threshold is floored at the smallest normal fp32 so an all-zero
-        tensor encodes to zero codes instead of dividing by zero."""
-        rms = float(torch.linalg.vector_norm(r)) / max(r.numel(), 1) ** 0.5
-        t = max(float(np.float32(self.relative * rms)), float(np.finfo(np.float32).tiny))
-        fired = r.abs()
-        fired = fired[fired >= t]
-        v = float(np.float32(fired.mean())) if fired.numel() else t
-        return t, v
 
     def _block(self, n: int, device: torch.device) -> int:
         return max(n, 1) if device.type != "cpu" else self.block_size
 
-    # -- core ----------------------------------------------------------------------------------
-    def _encode(
-        self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None,
-        t: float | None = None, v: float | None = None,
-    ) -> torch.Tensor:
-        """Packed words of flat fp32 ``r`` at threshold ``t`` (default: the fixed one), decoding
-        to ``+-v`` (default ``t``). If ``residual``: first ``r += add`` (when given), then
-        ``r -= q`` in place, block by block so the intermediates stay in cache."""
+    def _blocks(self, n: int) -> int:
+        """Elements per scale in relative mode."""
+        return max(1, n) if self.scale_block is None else self.scale_block
+
+    def _encode_relative(self, r: torch.Tensor, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Relative mode on flat fp32 ``r``: (packed words, fp32 value per scale block); with
+        ``residual``, ``r -= decoded`` in place. Per block: ``t = relative * rms``, floored at
+        the smallest normal fp32 so an all-zero block fires nothing; ``v`` = mean fired
+        magnitude (``t`` when nothing fires; then it decodes nothing anyway)."""
         n = r.numel()
-        t = self.threshold if t is None else t
-        v = t if v is None else v
+        bs = self._blocks(n)
+        nb = -(-n // bs)
+        padded = torch.zeros(nb * bs, dtype=torch.float32, device=r.device)
+        padded[:n] = r
+        rows = padded.view(nb, bs)
+        counts = torch.full((nb,), float(bs), device=r.device)
+        counts[-1] = n - (nb - 1) * bs if n else 1.0
+        mag = rows.abs()
+        t = (rows.pow(2).sum(1) / counts).sqrt_().mul_(self.relative)
+        t.clamp_(min=float(np.finfo(np.float32).tiny))
+        fired = mag >= t[:, None]
+        nfired = fired.sum(1)
+        v = torch.where(nfired > 0, (mag * fired).sum(1) / nfired.clamp(min=1), t)
+        signs = torch.zeros(words_for(nb * bs, 2) * CODES_PER_WORD, dtype=torch.int8, device=r.device)
+        code = torch.sign(rows) * fired
+        signs[:n] = code.reshape(-1)[:n].to(torch.int8)
+        if residual:
+            r.sub_((code * v[:, None]).reshape(-1)[:n])
+        words = pack_ternary(signs).reshape(-1)[: words_for(n, 2)]
+        return words, v
+
+    # -- core ----------------------------------------------------------------------------------
+    def _encode(self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed words of flat fp32 ``r`` (fixed threshold). If ``residual``: first ``r += add``
+        (when given), then ``r -= q`` in place, block by block so the intermediates stay in cache."""
+        n, t = r.numel(), self.threshold
         words = torch.empty(words_for(n, 2), dtype=torch.int32, device=r.device)
         packed = words.view(torch.uint8)
         block = self._block(n, r.device)
@@ -130,7 +157,7 @@ class TwoBitQuantizer(Compressor):
             signs[:k].copy_(y)  # fp32 -> int8 truncates toward zero: {-1, 0, +1}
             if residual:
                 y.trunc_()
-                rb.add_(y, alpha=-v)  # r - v*code; v*code is exact, so with v = t this is MXNet's r - q
+                rb.add_(y, alpha=-t)  # r - t*code; t*code is exact, so this is MXNet's r - q
             pack_ternary(signs, out=packed[start // 4 : (start + kpad) // 4])
         return words
 
@@ -139,8 +166,7 @@ class TwoBitQuantizer(Compressor):
         ctx = Ctx(tensor.shape, tensor.dtype, name)
         if self.relative is None:
             return [self._encode(r, residual=False)], ctx
-        t, v = self._relative_threshold(r)
-        return [self._encode(r, residual=False, t=t), torch.tensor([v], dtype=torch.float32, device=r.device)], ctx
+        return list(self._encode_relative(r, residual=False)), ctx
 
     def compress_residual_(
         self, buf: torch.Tensor, name: str, add: torch.Tensor | None = None
@@ -154,15 +180,20 @@ class TwoBitQuantizer(Compressor):
         r = buf.view(-1)
         if flat_add is not None:   # the threshold depends on the corrected buffer: add first
             r.add_(flat_add)
-        t, v = self._relative_threshold(r)
-        words = self._encode(r, residual=True, t=t, v=v)
-        return [words, torch.tensor([v], dtype=torch.float32, device=r.device)], Ctx(buf.shape, buf.dtype, name)
+        return list(self._encode_relative(r, residual=True)), Ctx(buf.shape, buf.dtype, name)
 
     def decompress(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
         n = ctx.numel
         packed = tensors[0].reshape(-1).view(torch.uint8)
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
-        t = self.threshold if self.relative is None else float(tensors[1].reshape(-1)[0])
+        if self.relative is not None:
+            bs = self._blocks(n)
+            nb = -(-n // bs)
+            codes = torch.zeros(nb * bs, dtype=torch.float32, device=packed.device)
+            codes[:n] = unpack_ternary(packed, n)
+            out = (codes.view(nb, bs) * tensors[1].reshape(-1)[:, None]).reshape(-1)[:n]
+            return out.reshape(ctx.shape).to(ctx.dtype)
+        t = self.threshold
         block = self._block(n, packed.device)
         s_buf = scratch.get("2bit.dsigns", min(block, words_for(n, 2) * CODES_PER_WORD), torch.int8, packed.device)
         for start in range(0, n, block):
@@ -178,5 +209,6 @@ class TwoBitQuantizer(Compressor):
         return unpack_ternary(tensors[0], ctx.numel).reshape(ctx.shape)
 
     def payload_nbytes(self, shape: Iterable[int] | torch.Size | int) -> int:
-        scale = 0 if self.relative is None else 4   # relative mode ships v as one fp32
-        return 4 * words_for(as_shape(shape).numel(), 2) + scale
+        n = as_shape(shape).numel()
+        scales = 0 if self.relative is None else -(-n // self._blocks(n))   # one fp32 v per block
+        return 4 * words_for(n, 2) + 4 * scales
