@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+import torch.distributed as dist
+
+from ..collectives.communicator import TimedWork
 from ..collectives.compressed import COLLECTIVES, CompressedCollective, make_collective
 from ..compressors import COMPRESSORS, ErrorFeedback, make_compressor
 from .base import Algorithm, EngineContext
@@ -44,6 +48,10 @@ class CompressedSGD(Algorithm):
         error_feedback: keep a per-bucket residual (worker side; the two-stage server keeps
             its own). Without it biased codecs stall.
         bucket_mb / overlap: as for ``ssgd``.
+        warmup_steps: steps averaged with plain fp32 all-reduce before compression starts (as
+            PowerSGD's ``start_powerSGD_iter``, DeepSpeed's ``freeze_step``, CP-SGD's 1000
+            S-SGD iterations): early gradients are large and change fast, when compression
+            error hurts most. The hooks' ``start_compress_iter`` is the same knob.
 
     Parameters that got no gradient on a rank contribute zeros; every trainable parameter then
     receives the averaged (possibly zero) gradient. Residuals are keyed by the names of the
@@ -56,6 +64,7 @@ class CompressedSGD(Algorithm):
     error_feedback: bool = True
     bucket_mb: float = 1.0
     overlap: bool = True
+    warmup_steps: int = 0
 
     name: ClassVar[str] = "compressed"
 
@@ -66,6 +75,9 @@ class CompressedSGD(Algorithm):
             raise ValueError(f"unknown collective {self.collective!r}; choose one of: {', '.join(COLLECTIVES)}")
         if not self.bucket_mb > 0:
             raise ValueError(f"compressed: bucket_mb must be > 0, got {self.bucket_mb}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"compressed: warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        self.steps_done = 0
         build_compressor(self.compressor, self.compressor_options, self.error_feedback)   # validates options
 
     def bind(self, ctx: EngineContext) -> None:
@@ -76,6 +88,8 @@ class CompressedSGD(Algorithm):
         self.keys = [bucket_key(ctx.names, b.param_indices) for b in self.buckets.buckets]
 
     def _launch(self, b: Bucket):
+        if self.steps_done < self.warmup_steps:
+            return _AllReduced(self.ctx.comm.all_reduce(b.grads, op=dist.ReduceOp.AVG, async_op=True), b.grads)
         return self.reducer.start(b.grads, self.keys[b.index])
 
     def on_gradient_ready(self, index: int) -> None:
@@ -89,15 +103,28 @@ class CompressedSGD(Algorithm):
             self.buckets.write_gradients(b)
         self.ctx.optimizer.step()
         self.buckets.reset()
+        self.steps_done += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"collective": self.reducer.state_dict()}
+        return {"collective": self.reducer.state_dict(), "steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reducer.load_state_dict(state.get("collective", {}))
+        self.steps_done = int(state.get("steps_done", 0))
 
     def close(self) -> None:
         self.reducer.close()
+
+
+class _AllReduced:
+    """Handle of a warm-up all-reduce, shaped like the compressed collectives' handles."""
+
+    def __init__(self, work: TimedWork, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor
 
 
 def bucket_key(names: list[str], indices: list[int]) -> str:
