@@ -41,6 +41,10 @@ BENCH_OPTIONS: dict[str, dict[str, Any]] = {
     "randomk": {"ratio": 0.01},
     "powersgd": {"rank": 4},
 }
+#: Rows: (label, codec, options); every codec with BENCH_OPTIONS, plus exact MXNet 2-bit.
+VARIANTS: list[tuple[str, str, dict[str, Any]]] = (
+    [(c, c, BENCH_OPTIONS.get(c, {})) for c in COMPRESSORS] + [("2bit threshold=0.01 (MXNet)", "2bit", {"threshold": 0.01})]
+)
 STEPS = 2   # bytes are identical every step; two steps show it (and include EF state)
 
 
@@ -62,16 +66,16 @@ def _worker(rank: int, world: int, port: int, bucket_mb: float, queue) -> None:
     rows = []
     for wname, sizes in workloads(bucket_mb).items():
         ring = sum(2.0 * (world - 1) / world * FP32_BYTES * n for n in sizes)
-        for codec in COMPRESSORS:
+        for label, codec, options in VARIANTS:
             for kind in COLLECTIVES:
                 comm = Communicator()
-                coll = make_collective(kind, comm, build_compressor(codec, BENCH_OPTIONS.get(codec, {}), True))
+                coll = make_collective(kind, comm, build_compressor(codec, options, True))
                 gen = torch.Generator().manual_seed(rank)
                 for _ in range(STEPS):
                     for i, n in enumerate(sizes):
                         coll.reduce(torch.randn(n, generator=gen) * 1e-3, f"b{i}")
                 coll.close()
-                rows.append((wname, codec, kind, comm.stats.bytes_sent / STEPS, ring))
+                rows.append((wname, label, kind, comm.stats.bytes_sent / STEPS, ring))
     dist.barrier()
     dist.destroy_process_group()
     queue.put((rank, rows))
@@ -107,15 +111,15 @@ def main() -> int:
     rows = measure(args.workers, args.bucket_mb)
     print(f"`PYTHONPATH=src python benchmarks/compression_bytes.py --workers {args.workers} "
           f"--bucket-mb {args.bucket_mb}`; torch {torch.__version__}, gloo; options {BENCH_OPTIONS}, "
-          "2bit = the `compressed` default\n")
+          "2bit = the `compressed` default (relative=1, scale_block=256)\n")
     for wname in dict.fromkeys(r[0] for r in rows):
         ring = next(r[4] for r in rows if r[0] == wname)
         print(f"**{wname}**, {args.workers} workers: fp32 ring allreduce sends {ring / 1e6:.3f} MB per rank per step\n")
         print("| codec | two-stage MB | two-stage / ring | allgather MB | allgather / ring |")
         print("|---|---:|---:|---:|---:|")
-        for codec in COMPRESSORS:
-            by = {r[2]: r[3] for r in rows if r[0] == wname and r[1] == codec}
-            print(f"| {codec} | {by['two-stage'] / 1e6:.4f} | 1/{ring / by['two-stage']:.1f} | "
+        for label, _, _ in VARIANTS:
+            by = {r[2]: r[3] for r in rows if r[0] == wname and r[1] == label}
+            print(f"| {label} | {by['two-stage'] / 1e6:.4f} | 1/{ring / by['two-stage']:.1f} | "
                   f"{by['allgather'] / 1e6:.4f} | 1/{ring / by['allgather']:.1f} |")
         print()
     return 0
