@@ -48,6 +48,11 @@ class CompressedSGD(Algorithm):
         error_feedback: keep a per-bucket residual (worker side; the two-stage server keeps
             its own). Without it biased codecs stall.
         bucket_mb / overlap: as for ``ssgd``.
+        compress_vectors: also compress 1-D parameters (biases, BatchNorm scales). Off by
+            default, as in PyTorch's PowerSGD hook: they are <1% of the elements of typical
+            convnets (0.5% of ResNet-20), so sending them in fp32 costs little, and their
+            gradients are systematically larger and matter more per element than weights'.
+            They then go through a plain fp32 all-reduce bucket set of their own.
         warmup_steps: steps averaged with plain fp32 all-reduce before compression starts (as
             PowerSGD's ``start_powerSGD_iter``, DeepSpeed's ``freeze_step``, CP-SGD's 1000
             S-SGD iterations): early gradients are large and change fast, when compression
@@ -65,6 +70,7 @@ class CompressedSGD(Algorithm):
     bucket_mb: float = 1.0
     overlap: bool = True
     warmup_steps: int = 0
+    compress_vectors: bool = False
 
     name: ClassVar[str] = "compressed"
 
@@ -84,25 +90,40 @@ class CompressedSGD(Algorithm):
         self.ctx = ctx
         codec = build_compressor(self.compressor, self.compressor_options, self.error_feedback)
         self.reducer: CompressedCollective = make_collective(self.collective, ctx.comm, codec)
-        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
+        everything = range(len(ctx.params))
+        dense = [i for i in everything if self.compress_vectors or ctx.params[i].dim() > 1]
+        vectors = [i for i in everything if i not in set(dense)]
+        self.buckets = BucketSet(ctx.params, dense, int(self.bucket_mb * MIB), self._launch)
         self.keys = [bucket_key(ctx.names, b.param_indices) for b in self.buckets.buckets]
+        self.plain = BucketSet(ctx.params, vectors, int(self.bucket_mb * MIB), self._allreduce)
+        self.sets = [self.buckets, self.plain]
+
+    def _allreduce(self, b: Bucket):
+        """fp32 average of gradients and flags (warm-up, and uncompressed 1-D parameters)."""
+        return _AllReduced(self.ctx.comm.all_reduce(b.buffer, op=dist.ReduceOp.AVG, async_op=True), b.grads)
 
     def _launch(self, b: Bucket):
         if self.steps_done < self.warmup_steps:
-            return _AllReduced(self.ctx.comm.all_reduce(b.grads, op=dist.ReduceOp.AVG, async_op=True), b.grads)
+            return self._allreduce(b)
         return self.reducer.start(b.grads, self.keys[b.index])
 
     def on_gradient_ready(self, index: int) -> None:
-        self.buckets.mark_ready(index, overlap=self.overlap)
+        target = self.buckets if index in self.buckets.bucket_of else self.plain
+        target.mark_ready(index, overlap=self.overlap)
 
     def step(self) -> None:
-        self.buckets.launch_remaining()
+        for s in self.sets:
+            s.launch_remaining()
+        for b in self.plain.buckets:
+            b.handle.wait()
+            self.plain.write_gradients(b)
         for b in self.buckets.buckets:
             b.grads.copy_(b.handle.wait())
             b.flags.fill_(1.0)
             self.buckets.write_gradients(b)
         self.ctx.optimizer.step()
-        self.buckets.reset()
+        for s in self.sets:
+            s.reset()
         self.steps_done += 1
 
     def state_dict(self) -> dict[str, Any]:
