@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lowband.algorithms import make_algorithm
+from lowband.algorithms.compressed import DEFAULT_WARMUP_STEPS
 
 
 @pytest.mark.parametrize("bad", [{"warmup_steps": -1}, {"warmup_steps": 1.5}, {"warmup_steps": True},
@@ -16,4 +17,4 @@ def test_invalid_knobs_are_rejected(bad):
 
 def test_defaults():
     algo = make_algorithm("compressed")
-    assert (algo.compressor, algo.collective, algo.warmup_steps, algo.compress_vectors) == ("2bit", "two-stage", 0, False)
+    assert (algo.compressor, algo.collective, algo.warmup_steps, algo.compress_vectors) == ("2bit", "two-stage", DEFAULT_WARMUP_STEPS, False)
