@@ -75,13 +75,13 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     ref, opt = _setup(None)
     out["ddp_losses"] = _train(rank, ref, opt, range(STEPS))
     for coll in ("allgather", "two-stage"):
-        state = CompressionHookState(compressor="none", collective=coll)
+        state = CompressionHookState(compressor="none", collective=coll, start_compress_iter=2)
         ddp, opt = _setup(state)
         _train(rank, ddp, opt, range(STEPS))
         out[f"none_{coll}_err"] = float((_flat(ddp) - _flat(ref)).abs().max())
         state.close()
     for coll in ("allgather", "two-stage"):
-        state = CompressionHookState(compressor="2bit", collective=coll)
+        state = CompressionHookState(compressor="2bit", collective=coll, start_compress_iter=2)
         ddp, opt = _setup(state)
         out[f"2bit_{coll}_losses"] = _train(rank, ddp, opt, range(STEPS))
         out[f"2bit_{coll}_params"] = _flat(ddp)
@@ -96,12 +96,12 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
 
 def _resume(rank: int, stable_layout: bool) -> dict[str, Any]:
     half = STEPS // 2
-    state = CompressionHookState(compressor="2bit", collective="two-stage")
+    state = CompressionHookState(compressor="2bit", collective="two-stage", start_compress_iter=2)
     ddp, opt = _setup(state, _model(stable_layout))
     _train(rank, ddp, opt, range(STEPS))
     uninterrupted = _flat(ddp)
     state.close()
-    state = CompressionHookState(compressor="2bit", collective="two-stage")
+    state = CompressionHookState(compressor="2bit", collective="two-stage", start_compress_iter=2)
     ddp, opt = _setup(state, _model(stable_layout))
     _train(rank, ddp, opt, range(half))
     blob = pickle.dumps({"hook": state, "model": ddp.module.state_dict(), "opt": opt.state_dict()})

@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .algorithms.compressed import build_compressor
+from .algorithms.compressed import DEFAULT_WARMUP_STEPS, build_compressor
 from .collectives.communicator import CommStats, Communicator
 from .collectives.compressed import COLLECTIVES, CompressedCollective, make_collective
 from .compressors import COMPRESSORS
@@ -68,7 +68,8 @@ class CompressionHookState:
             decoded payloads, O(N)).
         error_feedback: per-bucket residual memory on the worker (two-stage's server side always
             keeps its own). Biased codecs stall without it.
-        start_compress_iter: iterations of plain fp32 allreduce first (>= 2, see module doc).
+        start_compress_iter: iterations of plain fp32 allreduce first (>= 2, see module doc);
+            the default matches the ``compressed`` algorithm's ``warmup_steps``.
     """
 
     def __init__(
@@ -78,7 +79,7 @@ class CompressionHookState:
         compressor_options: Optional[dict[str, Any]] = None,
         collective: str = "two-stage",
         error_feedback: bool = True,
-        start_compress_iter: int = MIN_START_COMPRESS_ITER,
+        start_compress_iter: int = DEFAULT_WARMUP_STEPS,
     ) -> None:
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of: {', '.join(COMPRESSORS)}")
