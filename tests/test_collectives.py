@@ -1,5 +1,10 @@
-"""Compressed collectives against plain all-reduce and against per-payload decoding (gloo)."""
+"""Compressed collectives against plain all-reduce and against per-payload decoding (gloo).
+
+Spawning a process group costs seconds, so each world size is spawned once (``_all_checks``)
+and the tests assert on its cached results."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -30,9 +35,31 @@ def _identity_equals_allreduce(rank: int, world: int):
     return out
 
 
+ALLGATHER_CASES = [("2bit", {"threshold": 0.5}), ("1bit", {}), ("randomk", {"ratio": 0.25})]
+BYTES_CASES = [("2bit", {"threshold": 0.01}, 1 / 12), ("2bit", {"relative": 1.0, "scale_block": 256}, 1 / 12),
+               ("1bit", {}, 1 / 24)]
+BYTES_N, BYTES_WORLD = 1_000_003, 4
+
+
+def _all_checks(rank: int, world: int) -> dict:
+    out = {"identity": _identity_equals_allreduce(rank, world)}
+    if world in (2, 3):
+        for codec, options in ALLGATHER_CASES:
+            out[("allgather", codec)] = _allgather_exact(rank, world, codec, options)
+    if world == BYTES_WORLD:
+        for codec, options, _ in BYTES_CASES:
+            out[("bytes", codec, repr(options))] = _bytes(rank, world, codec, options, BYTES_N)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int) -> list[dict]:
+    return run_distributed(_all_checks, world)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_identity_compressor_equals_allreduce(world):
-    for rank_result in run_distributed(_identity_equals_allreduce, world):
+    for rank_result in (r["identity"] for r in _results(world)):
         for name, n, err in rank_result:
             assert err < 1e-6, (name, n, err)
 
@@ -58,9 +85,9 @@ def _allgather_exact(rank: int, world: int, codec: str, options: dict):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("codec, options", [("2bit", {"threshold": 0.5}), ("1bit", {}), ("randomk", {"ratio": 0.25})])
+@pytest.mark.parametrize("codec, options", ALLGATHER_CASES)
 def test_allgather_is_exact_sum_of_decoded_payloads(world, codec, options):
-    for results, stats in run_distributed(_allgather_exact, world, codec, options):
+    for results, stats in (r[("allgather", codec)] for r in _results(world)):
         assert all(results)
         assert stats["by_op"]["all_gather"][0] == 9
 
@@ -73,10 +100,9 @@ def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
     return comm.stats.bytes_sent
 
 
-@pytest.mark.parametrize("codec, options, bound", [("2bit", {"threshold": 0.01}, 1 / 12), ("1bit", {}, 1 / 24)])
+@pytest.mark.parametrize("codec, options, bound", BYTES_CASES)
 def test_two_stage_bytes_per_rank_at_4_workers(codec, options, bound):
-    n, world = 1_000_003, 4
-    sent = run_distributed(_bytes, world, codec, options, n)
-    ring = 2 * (world - 1) / world * 4 * n
+    sent = [r[("bytes", codec, repr(options))] for r in _results(BYTES_WORLD)]
+    ring = 2 * (BYTES_WORLD - 1) / BYTES_WORLD * 4 * BYTES_N
     for s in sent:
         assert s <= bound * ring, (s / ring)

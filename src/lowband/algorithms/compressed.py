@@ -8,21 +8,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+import torch.distributed as dist
+
+from ..collectives.communicator import TimedWork
 from ..collectives.compressed import COLLECTIVES, CompressedCollective, make_collective
 from ..compressors import COMPRESSORS, ErrorFeedback, make_compressor
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .ssgd import MIB
 
-#: Default 2-bit threshold in mean-gradient units (see docs/results.md for the sweep behind it).
-DEFAULT_TWO_BIT_THRESHOLD = 0.01
+#: What ``--compressor 2bit`` gets when neither ``threshold`` nor ``relative`` is given: the
+#: scale-aware mode (fire at 1x the RMS of each 256-element block, decode to the fired mean).
+#: Every fixed (exact MXNet) threshold of the cnn sweep diverged at lr 0.05, and per-block
+#: scales beat one scale per bucket on both models (docs/compression.md, "Threshold study").
+#: Exact MXNet semantics: ``--compressor-option threshold=T``.
+DEFAULT_TWO_BIT_OPTIONS: dict[str, float | int] = {"relative": 1.0, "scale_block": 256}
+#: fp32 all-reduce steps before compression starts (see ``CompressedSGD.warmup_steps``).
+DEFAULT_WARMUP_STEPS = 100
 
 
 def build_compressor(name: str, options: dict[str, Any], error_feedback: bool):
     """A codec by registry name, with lowband's defaults filled in, optionally EF-wrapped."""
     opts = dict(options)
-    if name == "2bit":
-        opts.setdefault("threshold", DEFAULT_TWO_BIT_THRESHOLD)
+    if name == "2bit" and "threshold" not in opts and "relative" not in opts:
+        opts.update(DEFAULT_TWO_BIT_OPTIONS)
     codec = make_compressor(name, **opts)
     return ErrorFeedback(codec) if error_feedback else codec
 
@@ -40,6 +50,17 @@ class CompressedSGD(Algorithm):
         error_feedback: keep a per-bucket residual (worker side; the two-stage server keeps
             its own). Without it biased codecs stall.
         bucket_mb / overlap: as for ``ssgd``.
+        compress_vectors: also compress 1-D parameters (biases, BatchNorm scales). Off by
+            default, as in PyTorch's PowerSGD hook: they are <1% of the elements of typical
+            convnets (0.5% of ResNet-20), so sending them in fp32 costs little, and their
+            gradients are systematically larger and matter more per element than weights'.
+            They then go through a plain fp32 all-reduce bucket set of their own.
+        warmup_steps: steps averaged with plain fp32 all-reduce before compression starts (as
+            PowerSGD's ``start_powerSGD_iter``, DeepSpeed's ``freeze_step``, CP-SGD's 1000
+            S-SGD iterations): early gradients are large and change fast, when compression
+            error hurts most. The default, 100 steps, is ~10% of the 2-epoch ResNet-20 run that
+            reached S-SGD's accuracy within 1 pp only with it (docs/compression.md); set 0 for a
+            compressed-from-step-one baseline. The hooks' ``start_compress_iter`` is the same knob.
 
     Each parameter is compressed on its own (layer-wise scales and thresholds) and its
     residual is keyed by its name; all parameters of a bucket travel in one collective.
@@ -53,6 +74,8 @@ class CompressedSGD(Algorithm):
     error_feedback: bool = True
     bucket_mb: float = 1.0
     overlap: bool = True
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    compress_vectors: bool = False
 
     name: ClassVar[str] = "compressed"
 
@@ -63,35 +86,57 @@ class CompressedSGD(Algorithm):
             raise ValueError(f"unknown collective {self.collective!r}; choose one of: {', '.join(COLLECTIVES)}")
         if not self.bucket_mb > 0:
             raise ValueError(f"compressed: bucket_mb must be > 0, got {self.bucket_mb}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"compressed: warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        self.steps_done = 0
         build_compressor(self.compressor, self.compressor_options, self.error_feedback)   # validates options
 
     def bind(self, ctx: EngineContext) -> None:
         self.ctx = ctx
         codec = build_compressor(self.compressor, self.compressor_options, self.error_feedback)
         self.reducer: CompressedCollective = make_collective(self.collective, ctx.comm, codec)
-        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
+        everything = range(len(ctx.params))
+        dense = [i for i in everything if self.compress_vectors or ctx.params[i].dim() > 1]
+        vectors = [i for i in everything if i not in set(dense)]
+        self.buckets = BucketSet(ctx.params, dense, int(self.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
+        self.plain = BucketSet(ctx.params, vectors, int(self.bucket_mb * MIB), self._allreduce)
+        self.sets = [self.buckets, self.plain]
+
+    def _allreduce(self, b: Bucket):
+        """fp32 average of gradients and flags (warm-up, and uncompressed 1-D parameters)."""
+        return _AllReduced(self.ctx.comm.all_reduce(b.buffer, op=dist.ReduceOp.AVG, async_op=True), b.grads)
 
     def _launch(self, b: Bucket):
+        if self.steps_done < self.warmup_steps:
+            return self._allreduce(b)
         return self.reducer.start(b.grads, f"bucket{b.index}", self.segments[b.index])
 
     def on_gradient_ready(self, index: int) -> None:
-        self.buckets.mark_ready(index, overlap=self.overlap)
+        target = self.buckets if index in self.buckets.bucket_of else self.plain
+        target.mark_ready(index, overlap=self.overlap)
 
     def step(self) -> None:
-        self.buckets.launch_remaining()
+        for s in self.sets:
+            s.launch_remaining()
+        for b in self.plain.buckets:
+            b.handle.wait()
+            self.plain.write_gradients(b)
         for b in self.buckets.buckets:
             b.grads.copy_(b.handle.wait())
             b.flags.fill_(1.0)
             self.buckets.write_gradients(b)
         self.ctx.optimizer.step()
-        self.buckets.reset()
+        for s in self.sets:
+            s.reset()
+        self.steps_done += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"collective": self.reducer.state_dict()}
+        return {"collective": self.reducer.state_dict(), "steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reducer.load_state_dict(state.get("collective", {}))
+        self.steps_done = int(state.get("steps_done", 0))
 
     def close(self) -> None:
         self.reducer.close()
@@ -100,3 +145,14 @@ class CompressedSGD(Algorithm):
 def bucket_segments(names: list[str], params: list, indices: list[int]) -> list[tuple[str, int]]:
     """``(parameter name, numel)`` for each parameter of a bucket, in bucket order."""
     return [(names[i], params[i].numel()) for i in indices]
+
+
+class _AllReduced:
+    """Handle of a warm-up all-reduce, shaped like the compressed collectives' handles."""
+
+    def __init__(self, work: TimedWork, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,11 @@ class PendingReduce:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+        """Call ``fn(concurrent_future)`` when the reduction finishes (on the worker thread);
+        this is how the DDP hook completes its ``torch.futures.Future`` without blocking."""
+        self._future.add_done_callback(fn)
 
 
 Segments = Sequence[tuple[str, int]]

@@ -21,6 +21,20 @@ the fp32->int8 conversion, which produces the bytes for packing. One ``trunc_`` 
 ``add_(alpha=-t)`` then give the MXNet residual ``r - q``. The products ``t*(+-1)`` are exact,
 so the result is bit-identical except that an exact ``-0.0`` residual may become ``+0.0``.
 NaN inputs give code 0 (as in MXNet) and keep a NaN residual.
+
+Scale-aware mode (lowband addition, *not* MXNet): ``relative=a`` instead of ``threshold`` fires
+element i when ``|r_i| >= t = a * rms(r)`` (per compressed tensor: a bucket, or a two-stage
+chunk, after the residual is added) and decodes it as ``+-v`` with ``v = mean(|r_i|)`` over the
+fired elements (as ternary weight networks do), shipped as one extra fp32 like 1-bit's scale.
+``v`` is the L2-optimal value for the fired set, so fired elements leave no systematic residual.
+Why: a fixed ``t`` has one right value per layer and per phase of training. When ``|g| > t`` an element can send at most
+``t`` per step, so its residual grows without bound and is later replayed as a stale burst (the
+run diverges); when ``t >> |g|`` elements fire rarely, in large delayed bursts. Tying ``t`` to the
+tensor's own RMS keeps every bucket in the regime between the two. Codes, packing and the
+residual update are otherwise identical; ``threshold=`` keeps the exact MXNet semantics.
+``scale_block=B`` gives every B consecutive elements their own ``t`` and ``v`` (one fp32 each):
+a bucket concatenates layers whose gradient scales differ by >10x, and one scale for all of them
+lets the small layers rarely fire (stale residuals) while the large ones saturate.
 """
 
 from __future__ import annotations
@@ -40,7 +54,11 @@ class TwoBitQuantizer(Compressor):
     """2-bit threshold quantizer.
 
     Args:
-        threshold: ``t`` (required, > 0), in mean-gradient units (see module docstring).
+        threshold: fixed ``t`` (> 0), in mean-gradient units (see module docstring): exact MXNet.
+        relative: instead of ``threshold``, fire at ``t = relative * rms(r)`` and decode to the
+            fired elements' mean magnitude, sent as fp32 with the codes (scale-aware mode, see
+            module docstring). Give exactly one.
+        scale_block: relative mode only: elements sharing one scale (None: the whole tensor).
         block_size: elements processed per cache block on CPU (rounded up to a multiple of 16).
             The default keeps the ~0.9 MiB of scratch (fp32, int8 and two int32/4 buffers) in
             L2. It measured ~1.5x faster than whole-tensor passes through DRAM, and fast
@@ -50,24 +68,74 @@ class TwoBitQuantizer(Compressor):
 
     name = "2bit"
 
-    def __init__(self, threshold: float, block_size: int = 1 << 17) -> None:
-        check_positive("threshold", threshold)
+    def __init__(
+        self, threshold: float | None = None, block_size: int = 1 << 17, relative: float | None = None,
+        scale_block: int | None = None,
+    ) -> None:
+        if (threshold is None) == (relative is None):
+            raise ValueError("2bit needs exactly one of threshold=T (fixed, MXNet) or relative=A (t = A*rms)")
         check_positive("block_size", block_size, int)
+        self.block_size = -(-int(block_size) // CODES_PER_WORD) * CODES_PER_WORD
+        self.relative: float | None = None
+        self.threshold: float | None = None
+        self.scale_block: int | None = None
+        if scale_block is not None:
+            if relative is None:
+                raise ValueError("scale_block applies to relative mode only")
+            check_positive("scale_block", scale_block, int)
+            self.scale_block = int(scale_block)
+        if relative is not None:
+            check_positive("relative", relative)
+            self.relative = float(relative)
+            return
+        check_positive("threshold", threshold)
         self.threshold = float(np.float32(threshold))
         if not np.isfinite(self.threshold) or self.threshold == 0.0:
             raise ValueError(f"threshold {threshold!r} is not a positive finite fp32 number")
-        self.block_size = -(-int(block_size) // CODES_PER_WORD) * CODES_PER_WORD
 
     def __repr__(self) -> str:
-        return f"TwoBitQuantizer(threshold={self.threshold!r}, block_size={self.block_size})"
+        knob = (f"relative={self.relative!r}, scale_block={self.scale_block!r}" if self.relative is not None
+                else f"threshold={self.threshold!r}")
+        return f"TwoBitQuantizer({knob}, block_size={self.block_size})"
 
     def _block(self, n: int, device: torch.device) -> int:
         return max(n, 1) if device.type != "cpu" else self.block_size
 
+    def _blocks(self, n: int) -> int:
+        """Elements per scale in relative mode."""
+        return max(1, n) if self.scale_block is None else self.scale_block
+
+    def _encode_relative(self, r: torch.Tensor, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Relative mode on flat fp32 ``r``: (packed words, fp32 value per scale block); with
+        ``residual``, ``r -= decoded`` in place. Per block: ``t = relative * rms``, floored at
+        the smallest normal fp32 so an all-zero block fires nothing; ``v`` = mean fired
+        magnitude (``t`` when nothing fires; then it decodes nothing anyway)."""
+        n = r.numel()
+        bs = self._blocks(n)
+        nb = -(-n // bs)
+        padded = torch.zeros(nb * bs, dtype=torch.float32, device=r.device)
+        padded[:n] = r
+        rows = padded.view(nb, bs)
+        counts = torch.full((nb,), float(bs), device=r.device)
+        counts[-1] = n - (nb - 1) * bs if n else 1.0
+        mag = rows.abs()
+        t = (rows.pow(2).sum(1) / counts).sqrt_().mul_(self.relative)
+        t.clamp_(min=float(np.finfo(np.float32).tiny))
+        fired = mag >= t[:, None]
+        nfired = fired.sum(1)
+        v = torch.where(nfired > 0, (mag * fired).sum(1) / nfired.clamp(min=1), t)
+        signs = torch.zeros(words_for(nb * bs, 2) * CODES_PER_WORD, dtype=torch.int8, device=r.device)
+        code = torch.sign(rows) * fired
+        signs[:n] = code.reshape(-1)[:n].to(torch.int8)
+        if residual:
+            r.sub_((code * v[:, None]).reshape(-1)[:n])
+        words = pack_ternary(signs).reshape(-1)[: words_for(n, 2)]
+        return words, v
+
     # -- core ----------------------------------------------------------------------------------
     def _encode(self, r: torch.Tensor, residual: bool, add: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed words of flat fp32 ``r``. If ``residual``: first ``r += add`` (when given),
-        then ``r -= q`` in place, block by block so the intermediates stay in cache."""
+        """Packed words of flat fp32 ``r`` (fixed threshold). If ``residual``: first ``r += add``
+        (when given), then ``r -= q`` in place, block by block so the intermediates stay in cache."""
         n, t = r.numel(), self.threshold
         words = torch.empty(words_for(n, 2), dtype=torch.int32, device=r.device)
         packed = words.view(torch.uint8)
@@ -94,7 +162,11 @@ class TwoBitQuantizer(Compressor):
         return words
 
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[Payload, Ctx]:
-        return [self._encode(flat_fp32(tensor), residual=False)], Ctx(tensor.shape, tensor.dtype, name)
+        r = flat_fp32(tensor)
+        ctx = Ctx(tensor.shape, tensor.dtype, name)
+        if self.relative is None:
+            return [self._encode(r, residual=False)], ctx
+        return list(self._encode_relative(r, residual=False)), ctx
 
     def compress_residual_(
         self, buf: torch.Tensor, name: str, add: torch.Tensor | None = None
@@ -102,13 +174,26 @@ class TwoBitQuantizer(Compressor):
         if buf.dtype != torch.float32 or not buf.is_contiguous():
             return super().compress_residual_(buf, name, add)
         flat_add = None if add is None else flat_fp32(add)
-        words = self._encode(buf.view(-1), residual=True, add=flat_add)
-        return [words], Ctx(buf.shape, buf.dtype, name)
+        if self.relative is None:
+            words = self._encode(buf.view(-1), residual=True, add=flat_add)
+            return [words], Ctx(buf.shape, buf.dtype, name)
+        r = buf.view(-1)
+        if flat_add is not None:   # the threshold depends on the corrected buffer: add first
+            r.add_(flat_add)
+        return list(self._encode_relative(r, residual=True)), Ctx(buf.shape, buf.dtype, name)
 
     def decompress(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
         n = ctx.numel
         packed = tensors[0].reshape(-1).view(torch.uint8)
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
+        if self.relative is not None:
+            bs = self._blocks(n)
+            nb = -(-n // bs)
+            codes = torch.zeros(nb * bs, dtype=torch.float32, device=packed.device)
+            codes[:n] = unpack_ternary(packed, n)
+            out = (codes.view(nb, bs) * tensors[1].reshape(-1)[:, None]).reshape(-1)[:n]
+            return out.reshape(ctx.shape).to(ctx.dtype)
+        t = self.threshold
         block = self._block(n, packed.device)
         s_buf = scratch.get("2bit.dsigns", min(block, words_for(n, 2) * CODES_PER_WORD), torch.int8, packed.device)
         for start in range(0, n, block):
@@ -116,7 +201,7 @@ class TwoBitQuantizer(Compressor):
             k = ob.numel()
             kpad = words_for(k, 2) * CODES_PER_WORD
             signs = unpack_ternary(packed[start // 4 : (start + kpad) // 4], k, out=s_buf[:kpad])
-            ob.copy_(signs).mul_(self.threshold)
+            ob.copy_(signs).mul_(t)
         return out.reshape(ctx.shape).to(ctx.dtype)
 
     def codes(self, tensors: Payload, ctx: Ctx) -> torch.Tensor:
@@ -124,4 +209,6 @@ class TwoBitQuantizer(Compressor):
         return unpack_ternary(tensors[0], ctx.numel).reshape(ctx.shape)
 
     def payload_nbytes(self, shape: Iterable[int] | torch.Size | int) -> int:
-        return 4 * words_for(as_shape(shape).numel(), 2)
+        n = as_shape(shape).numel()
+        scales = 0 if self.relative is None else -(-n // self._blocks(n))   # one fp32 v per block
+        return 4 * words_for(n, 2) + 4 * scales
