@@ -37,6 +37,18 @@ def build_compressor(name: str, options: dict[str, Any], error_feedback: bool):
     return ErrorFeedback(codec) if error_feedback else codec
 
 
+def check_compression_knobs(owner: str, compressor: str, options: dict[str, Any], collective: str,
+                            bucket_mb: float, error_feedback: bool) -> None:
+    """The knobs every compressing algorithm shares; ValueError naming the first bad one."""
+    if compressor not in COMPRESSORS:
+        raise ValueError(f"unknown compressor {compressor!r}; choose one of: {', '.join(COMPRESSORS)}")
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+    if not bucket_mb > 0:
+        raise ValueError(f"{owner}: bucket_mb must be > 0, got {bucket_mb}")
+    build_compressor(compressor, options, error_feedback)   # validates the codec's options
+
+
 @dataclass
 class CompressedSGD(Algorithm):
     """Knobs:
@@ -80,16 +92,11 @@ class CompressedSGD(Algorithm):
     name: ClassVar[str] = "compressed"
 
     def __post_init__(self) -> None:
-        if self.compressor not in COMPRESSORS:
-            raise ValueError(f"unknown compressor {self.compressor!r}; choose one of: {', '.join(COMPRESSORS)}")
-        if self.collective not in COLLECTIVES:
-            raise ValueError(f"unknown collective {self.collective!r}; choose one of: {', '.join(COLLECTIVES)}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"compressed: bucket_mb must be > 0, got {self.bucket_mb}")
+        check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
+                                self.bucket_mb, self.error_feedback)
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"compressed: warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         self.steps_done = 0
-        build_compressor(self.compressor, self.compressor_options, self.error_feedback)   # validates options
 
     def bind(self, ctx: EngineContext) -> None:
         self.ctx = ctx

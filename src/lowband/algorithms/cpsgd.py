@@ -23,11 +23,10 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ..collectives.compressed import COLLECTIVES, PendingReduce, make_collective
-from ..compressors import COMPRESSORS
+from ..collectives.compressed import PendingReduce, make_collective
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from .compressed import bucket_segments, build_compressor
+from .compressed import bucket_segments, build_compressor, check_compression_knobs
 from .ssgd import MIB
 
 LOCAL_UPDATES = ("sgd", "optimizer", "none")
@@ -70,12 +69,8 @@ class CPSGD(Algorithm):
     name: ClassVar[str] = "cpsgd"
 
     def __post_init__(self) -> None:
-        if self.compressor not in COMPRESSORS:
-            raise ValueError(f"unknown compressor {self.compressor!r}; choose one of: {', '.join(COMPRESSORS)}")
-        if self.collective not in COLLECTIVES:
-            raise ValueError(f"unknown collective {self.collective!r}; choose one of: {', '.join(COLLECTIVES)}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"cpsgd: bucket_mb must be > 0, got {self.bucket_mb}")
+        check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
+                                self.bucket_mb, error_feedback=True)
         if self.warmup_steps < 0:
             raise ValueError(f"cpsgd: warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.correction_period is not None and self.correction_period < 1:
@@ -84,7 +79,6 @@ class CPSGD(Algorithm):
             raise ValueError(f"cpsgd: local_update must be one of {LOCAL_UPDATES}, got {self.local_update!r}")
         if self.local_lr is not None and self.local_lr < 0:
             raise ValueError(f"cpsgd: local_lr must be >= 0, got {self.local_lr}")
-        build_compressor(self.compressor, self.compressor_options, True)   # validates options
 
     # -- setup ---------------------------------------------------------------------------
     def bind(self, ctx: EngineContext) -> None:
