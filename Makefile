@@ -28,8 +28,12 @@ data:
 	else echo "dataset missing at $(DATA_DIR) and apt-get is not usable (need root): install 'dataset-fashion-mnist' or pass --data-dir" >&2; \
 	fi
 
+# The main job: lowband's methods side by side with PyTorch's, 2 workers, LeNet on Fashion-MNIST,
+# each worker behind an emulated 200 Mbit/s link (loopback when the machine forbids namespaces).
+DEMO_ALGORITHMS ?= noop,ssgd,ddp,ddp-fp16,ddp-powersgd,localsgd,compressed,cpsgd,lazy
 demo: venv data
-	$(BIN)/lowband train --workers 2 --model cnn --epochs 1 --max-steps 300 --run-dir runs/demo
+	$(BIN)/lowband bench --algorithms $(DEMO_ALGORITHMS) --bandwidth 200mbit --fallback-loopback \
+	  --workers 2 --model cnn --max-steps 150 --eval-every 50 --no-progress --out runs/demo
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 test: venv data

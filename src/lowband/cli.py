@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
     b.add_argument("--fallback-loopback", action="store_true",
                    help="if network emulation is unavailable, run over loopback instead of failing")
-    b.add_argument("--doc", default=None, help="also update the benchmark section of this markdown file")
+    b.add_argument("--doc", default=None, help="also update a generated section of this markdown file")
+    b.add_argument("--section", default="bench", help="name of that section (default: %(default)s)")
     add_run_arguments(b)
     b.set_defaults(max_steps=100)
 
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("results", help="results.json written by `lowband bench`")
     r.add_argument("--doc", default=None, help="markdown file whose benchmark section is replaced")
     r.add_argument("--images", default=None, help="directory for the plots (default: next to the results file)")
+    r.add_argument("--section", default="bench", help="name of the generated section (default: %(default)s)")
     return parser
 
 
@@ -314,8 +316,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     images = plot(derive(rows), args.out)
     print(f"results: {os.path.join(args.out, RESULTS_FILE)}; plots: {', '.join(images)}", file=sys.stderr)
     if args.doc:
-        update_doc(args.doc, render_section(results, os.path.join(args.out, RESULTS_FILE), args.out,
-                                            os.path.dirname(os.path.abspath(args.doc))))
+        update_doc(args.doc, render_section(results, os.path.join(args.out, RESULTS_FILE), args.out, args.doc,
+                                            args.section), args.section)
     return 0
 
 
@@ -323,7 +325,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .report import main_report
     if not os.path.exists(args.results):
         raise UsageError(f"results file {args.results} does not exist")
-    return main_report(args.results, args.doc, args.images or os.path.dirname(os.path.abspath(args.results)))
+    return main_report(args.results, args.doc, args.images or os.path.dirname(os.path.abspath(args.results)),
+                       args.section)
 
 
 COMMANDS = {"train": cmd_train, "bench": cmd_bench, "report": cmd_report}

@@ -8,8 +8,12 @@ from typing import Any, Optional, Sequence
 
 from .metrics import format_table
 
-BENCH_BEGIN = "<!-- lowband-bench:begin -->"
-BENCH_END = "<!-- lowband-bench:end -->"
+DEFAULT_SECTION = "bench"
+
+
+def markers(section: str) -> tuple[str, str]:
+    """The comment lines that delimit one generated section of a markdown file."""
+    return f"<!-- lowband-{section}:begin -->", f"<!-- lowband-{section}:end -->"
 
 COLUMNS = [
     ("bandwidth", "bandwidth", "{}"),
@@ -123,11 +127,16 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
     return written
 
 
-def render_section(results: dict[str, Any], results_path: str, images_dir: Optional[str], doc_dir: str) -> str:
+def render_section(results: dict[str, Any], results_path: str, images_dir: Optional[str], doc_path: str,
+                   section: str = DEFAULT_SECTION) -> str:
     rows = derive(results["rows"])
+    doc_dir = os.path.dirname(os.path.abspath(doc_path))
+    regenerate = f"lowband report {results_path} --doc {os.path.relpath(doc_path)} --section {section}"
+    if images_dir:
+        regenerate += f" --images {os.path.relpath(images_dir)}"
     parts = [
         f"Produced by: `{results['command']}`",
-        f"Regenerate this section: `lowband report {results_path} --doc {os.path.join(doc_dir, 'results.md')}`",
+        f"Regenerate this section: `{regenerate}`",
         f"Machine: {results.get('machine', '?')}. Link: {results.get('link', '?')}.",
         "",
         markdown_table(rows),
@@ -136,24 +145,28 @@ def render_section(results: dict[str, Any], results_path: str, images_dir: Optio
         rel = os.path.relpath(os.path.abspath(images_dir), doc_dir)
         parts += ["", *(f"![{name}]({rel}/{name})" for name in
                        ("accuracy_vs_time.png", "step_time_split.png", "throughput_vs_bandwidth.png"))]
+    for note in results.get("notes", []):
+        parts += ["", note]
     return "\n".join(parts)
 
 
-def update_doc(doc_path: str, section: str) -> None:
-    """Replace the bench section of ``doc_path`` (between the markers), keeping the rest."""
+def update_doc(doc_path: str, body: str, section: str = DEFAULT_SECTION) -> None:
+    """Replace one generated section of ``doc_path`` (between its markers), keeping the rest;
+    a section not there yet is appended."""
     text = open(doc_path).read() if os.path.exists(doc_path) else "# Results\n"
-    block = f"{BENCH_BEGIN}\n{section}\n{BENCH_END}"
-    if BENCH_BEGIN in text and BENCH_END in text:
-        head, rest = text.split(BENCH_BEGIN, 1)
-        tail = rest.split(BENCH_END, 1)[1]
+    begin, end = markers(section)
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
         text = head + block + tail
     else:
-        text = text.rstrip() + "\n\n## Side-by-side benchmark\n\n" + block + "\n"
+        text = text.rstrip() + f"\n\n## {section}\n\n" + block + "\n"
     with open(doc_path, "w") as f:
         f.write(text)
 
 
-def main_report(results_path: str, doc: Optional[str], images: Optional[str]) -> int:
+def main_report(results_path: str, doc: Optional[str], images: Optional[str], section: str = DEFAULT_SECTION) -> int:
     results = load(results_path)
     rows = derive(results["rows"])
     print(markdown_table(rows))
@@ -161,6 +174,6 @@ def main_report(results_path: str, doc: Optional[str], images: Optional[str]) ->
         os.makedirs(images, exist_ok=True)
         plot(rows, images)
     if doc:
-        update_doc(doc, render_section(results, results_path, images, os.path.dirname(os.path.abspath(doc))))
+        update_doc(doc, render_section(results, results_path, images, doc, section), section)
         print(f"updated {doc}", file=sys.stderr)
     return 0

@@ -1,0 +1,31 @@
+"""Bench report: derived ratios, and regenerating one section of a document in place."""
+from __future__ import annotations
+
+from lowband.report import derive, markdown_table, update_doc
+
+
+def row(algorithm, step_ms, bytes_sent=0.0, rate=200e6):
+    return {"bandwidth": "200mbit", "workers": 2, "algorithm": algorithm, "median_step_ms": step_ms,
+            "median_compute_ms": step_ms, "median_comm_wait_ms": 0.0, "median_bytes_sent": bytes_sent,
+            "rate_bits": rate}
+
+
+def test_derive_ratios_against_noop_and_wire_time():
+    rows = derive([row("noop", 40.0), row("ssgd", 110.0, bytes_sent=1.75e6)])
+    ssgd = rows[1]
+    assert ssgd["step_over_noop"] == 110.0 / 40.0
+    assert abs(ssgd["wire_ms_at_rate"] - 70.0) < 1e-9          # 1.75 MB * 8 / 200 Mbit/s
+    assert abs(ssgd["comm_over_wire"] - 1.0) < 1e-9             # (110 - 40) / 70
+    assert "| 200mbit | 2 | ssgd |" in markdown_table(rows)
+
+
+def test_update_doc_replaces_only_its_section(tmp_path):
+    doc = tmp_path / "results.md"
+    doc.write_text("# Results\n\nhand-written intro\n")
+    update_doc(str(doc), "first table", "peers")
+    update_doc(str(doc), "other table", "lowband")
+    update_doc(str(doc), "second table", "peers")
+    text = doc.read_text()
+    assert "hand-written intro" in text and "other table" in text and "second table" in text
+    assert "first table" not in text
+    assert text.count("<!-- lowband-peers:begin -->") == 1
