@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import dataclasses
 import os
 import shutil
@@ -133,10 +134,16 @@ def check_config(cfg: TrainConfig) -> None:
         if cfg.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of: {', '.join(DATASETS)}")
         make_algorithm(cfg.algorithm, **cfg.algorithm_options)   # validates names and options
-        for split in ("train", "test"):
-            load_dataset(cfg.dataset, split, cfg.data_dir, cfg.seed)
+        check_dataset(cfg.dataset, cfg.data_dir, cfg.seed)
     except (ValueError, DatasetError) as e:
         raise UsageError(str(e)) from None
+
+
+@functools.lru_cache(maxsize=None)
+def check_dataset(name: str, data_dir: str, seed: int) -> None:
+    """Load (and so validate) both splits once per process: a bench checks many configurations."""
+    for split in ("train", "test"):
+        load_dataset(name, split, data_dir, seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
