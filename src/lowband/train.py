@@ -219,7 +219,10 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
 
     stats = engine.stats
     # every rank's own byte counts, for checking them against the links' kernel counters
-    write_json_atomic(os.path.join(cfg.run_dir, f"rank{rank}.stats.json"), stats.snapshot())
+    own = stats.snapshot()
+    guard = engine.guard.comm.stats.snapshot() if engine.guard.comm is not None else None
+    own["guard_bytes_sent"] = guard["bytes_sent"] if guard else 0   # the non-finite agreement, kept apart
+    write_json_atomic(os.path.join(cfg.run_dir, f"rank{rank}.stats.json"), own)
     summary = None
     if rank == 0:
         summary = {
