@@ -22,6 +22,7 @@ COLUMNS = [
     ("steps", "steps", "{}"),
     ("test acc", "test_accuracy", "{:.2%}"),
     ("step ms", "median_step_ms", "{:.1f}"),
+    ("mean step ms", "step_ms", "{:.1f}"),
     ("compute ms", "median_compute_ms", "{:.1f}"),
     ("comm wait ms", "median_comm_wait_ms", "{:.1f}"),
     ("step / noop", "step_over_noop", "{:.2f}"),
