@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run algorithms side by side over emulated links",
                        description="Run every combination of algorithm, link rate and worker count with the same "
                                    "seed and data; write results.json and plots to --out and print a markdown table.")
-    b.add_argument("--algorithms", default="noop,ssgd", help="comma-separated algorithm names (default: %(default)s)")
+    b.add_argument("--algorithms", default="noop,ssgd",
+                   help="comma-separated algorithm names, each optionally with its own options as "
+                        "NAME:KEY=VALUE[:KEY=VALUE] (default: %(default)s)")
     b.add_argument("--bandwidth", default="none", help="comma-separated link rates, e.g. none,1gbit,200mbit (default: %(default)s)")
     b.add_argument("--workers", default="2", help="comma-separated worker counts (default: %(default)s)")
     b.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
@@ -298,9 +300,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     configs = []
     for label, rate in links:
         for w in workers:
-            for a in algorithms:
-                run_dir = os.path.join(args.out, "runs", f"{label}-{w}w-{a}")
-                configs.append((label, rate, config_from_args(args, a, w, run_dir)))
+            for spec in algorithms:
+                name, *own = spec.split(":")     # per-algorithm options: cpsgd:warmup_steps=20
+                run_dir = os.path.join(args.out, "runs", f"{label}-{w}w-{spec.replace(':', '-')}")
+                cfg = config_from_args(args, name, w, run_dir)
+                if own:
+                    cfg.algorithm_options.update(dict(_parse_option(o) for o in own))
+                    check_config(cfg)
+                configs.append((label, rate, cfg, spec))
     os.makedirs(args.out, exist_ok=True)
     rows = []
     command = "lowband " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowband") else \
@@ -308,15 +315,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = {"command": command, "machine": f"{platform.node()}, {os.cpu_count()} cores",
                "link": "tc tbf on both ends of each worker's veth" if any(r for _, r in links) else "loopback",
                "rows": rows}
-    for i, (label, rate, cfg) in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {cfg.algorithm} x{cfg.workers} over {label}", file=sys.stderr, flush=True)
+    for i, (label, rate, cfg, spec) in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label}", file=sys.stderr, flush=True)
         try:
             row = run_on_link(cfg, rate)
         except RuntimeError as e:
             print(f"lowband: error: {e}", file=sys.stderr)
             return 1
         epochs = read_jsonl(os.path.join(cfg.run_dir, "epochs.jsonl"))
-        row.update(bandwidth=label, rate_bits=rate, curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs])
+        row.update(bandwidth=label, rate_bits=rate, algorithm=spec,
+                   curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs])
         rows.append(row)
         write_json_atomic(os.path.join(args.out, RESULTS_FILE), results)
     print(markdown_table(derive(rows)))
