@@ -33,6 +33,10 @@ BENCH_OPTIONS: dict[str, dict] = {
     "randomk": {"ratio": 0.01},
     "powersgd": {"rank": 4},
 }
+# Extra rows: other configurations of a codec, benchmarked under a label of their own.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "2bit-relative": ("2bit", {"relative": 1.0, "scale_block": 256}),  # the algorithms' default mode
+}
 GB = 1e9
 FP32_BYTES = 4
 
@@ -63,7 +67,8 @@ def run(sizes: list[int], reps: int, names: list[str]) -> str:
         lines.append(f"| {n:,} | torch.clone | 1 | {clone_bw:.2f} | 1.00 | | |")
         lines.append(f"| {n:,} | copy_ (no alloc) | 1 | {copy_bw:.2f} | {copy_bw / clone_bw:.2f} | | |")
         for name in names:
-            codec = make_compressor(name, **BENCH_OPTIONS.get(name, {}))
+            codec_name, options = VARIANTS.get(name, (name, BENCH_OPTIONS.get(name, {})))
+            codec = make_compressor(codec_name, **options)
             ef = ErrorFeedback(codec)
             enc_bw = gbytes / best_time(lambda: ef.compress(x, "w"), reps)
             payload, ctx = ef.compress(x, "w")
@@ -86,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--codecs", nargs="+", default=list(COMPRESSORS), choices=COMPRESSORS)
+    parser.add_argument("--codecs", nargs="+", default=list(COMPRESSORS) + list(VARIANTS),
+                        choices=list(COMPRESSORS) + list(VARIANTS))
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.reps = [1_000_000], 3
