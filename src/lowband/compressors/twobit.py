@@ -118,17 +118,26 @@ class TwoBitQuantizer(Compressor):
         rows = padded.view(nb, bs)
         counts = torch.full((nb,), float(bs), device=r.device)
         counts[-1] = n - (nb - 1) * bs if n else 1.0
-        mag = rows.abs()
-        t = (rows.pow(2).sum(1) / counts).sqrt_().mul_(self.relative)
-        t.clamp_(min=float(np.finfo(np.float32).tiny))
-        fired = mag >= t[:, None]
-        nfired = fired.sum(1)
-        v = torch.where(nfired > 0, (mag * fired).sum(1) / nfired.clamp(min=1), t)
         signs = torch.zeros(words_for(nb * bs, 2) * CODES_PER_WORD, dtype=torch.int8, device=r.device)
-        code = torch.sign(rows) * fired
-        signs[:n] = code.reshape(-1)[:n].to(torch.int8)
-        if residual:
-            r.sub_((code * v[:, None]).reshape(-1)[:n])
+        v = torch.empty(nb, dtype=torch.float32, device=r.device)
+        # blocks are independent: process them a cache-sized group at a time (CPU) so the
+        # intermediates stay in L2 instead of making ~10 passes over DRAM
+        group = nb if r.device.type != "cpu" else max(1, self.block_size // bs)
+        for b0 in range(0, nb, group):
+            b1 = min(nb, b0 + group)
+            rr = rows[b0:b1]
+            mag = rr.abs()
+            t = (rr.pow(2).sum(1) / counts[b0:b1]).sqrt_().mul_(self.relative)
+            t.clamp_(min=float(np.finfo(np.float32).tiny))
+            fired = mag >= t[:, None]
+            nfired = fired.sum(1)
+            vg = torch.where(nfired > 0, (mag * fired).sum(1) / nfired.clamp(min=1), t)
+            v[b0:b1] = vg
+            code = torch.sign(rr) * fired
+            e0, e1 = b0 * bs, min(n, b1 * bs)
+            signs[e0:e1] = code.reshape(-1)[: e1 - e0].to(torch.int8)
+            if residual:
+                r[e0:e1].sub_((code * vg[:, None]).reshape(-1)[: e1 - e0])
         words = pack_ternary(signs).reshape(-1)[: words_for(n, 2)]
         return words, v
 
