@@ -38,7 +38,7 @@ def main() -> int:
     args = p.parse_args()
     print("command: python " + " ".join(sys.argv))
     out = args.out or tempfile.mkdtemp(prefix="lowband-overlap-")
-    print(f"| workers | mode | median step ms | compute ms | exposed comm wait ms | step / compute-only |")
+    print("| workers | mode | median step ms | compute ms | exposed comm wait ms | step / compute-only |")
     print("|---|---|---|---|---|---|")
     for workers in [int(w) for w in args.workers.split(",")]:
         base = None

@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 from lowband.bench import run_config
+from lowband.runner import RunFailed
 from lowband.config import TrainConfig
 
 
@@ -65,7 +66,7 @@ def main() -> int:
                           run_dir=os.path.join(out, label.replace("=", "-").replace(",", "_") or "default"))
         try:
             r = run_config(cfg)
-        except RuntimeError as e:          # e.g. the loss became NaN: a result, not a crash
+        except RunFailed as e:             # e.g. the loss became NaN: a result, not a crash
             rows.append({"point": label, "options": opts, "failed": str(e)})
             print(f"| {label} | failed (see {cfg.run_dir}) | - | - |", flush=True)
             continue

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from .config import TrainConfig
-from .launcher import launch_workers
+from .runner import launch
 from .metrics import read_jsonl
 
 WARMUP_STEPS = 5     # steps excluded from the medians
@@ -48,19 +48,9 @@ def run_config(
     extra_env: Optional[Callable[[int], dict]] = None,
     master_addr: Optional[str] = None,
 ) -> RunResult:
-    """Run one configuration to completion with ``cfg.workers`` local processes."""
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    for name in os.listdir(cfg.run_dir):
-        if name in ("steps.jsonl", "epochs.jsonl", "summary.json") or name.endswith(".stats.json"):
-            os.remove(os.path.join(cfg.run_dir, name))
-    config_path = os.path.join(cfg.run_dir, "config.json")
-    with open(config_path, "w") as f:
-        f.write(cfg.to_json())
-    kwargs = {"master_addr": master_addr} if master_addr else {}
-    result = launch_workers(cfg.workers, config_path, threads=cfg.threads, prefix=prefix, extra_env=extra_env, **kwargs)
-    if result.returncode != 0:
-        raise RuntimeError(f"{cfg.algorithm} x{cfg.workers}: worker rank {result.failed_rank} failed "
-                           f"(exit status {result.returncodes[result.failed_rank]}); see {cfg.run_dir}")
+    """Run one configuration to completion with ``cfg.workers`` local processes (raises
+    :class:`~lowband.runner.RunFailed`, a RuntimeError, when a worker fails)."""
+    launch(cfg, prefix=prefix, extra_env=extra_env, master_addr=master_addr)
     with open(os.path.join(cfg.run_dir, "summary.json")) as f:
         summary = json.load(f)
     return RunResult(cfg, summary, read_jsonl(os.path.join(cfg.run_dir, "steps.jsonl")))

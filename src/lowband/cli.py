@@ -11,13 +11,12 @@ import ast
 import functools
 import dataclasses
 import os
-import shutil
 import sys
 from typing import Any, Optional, Sequence
 
 from . import __version__
 from .algorithms import ALGORITHMS, make_algorithm
-from .checkpoint import DIRNAME as CHECKPOINT_DIRNAME, CheckpointError, check_resumable, read_manifest
+from .checkpoint import CheckpointError, check_resumable, read_manifest
 from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from .data import DATASETS, DatasetError, load_dataset
 from .guard import NONFINITE_POLICIES
@@ -25,8 +24,6 @@ from .models import MODELS
 
 EXIT_USAGE = 2
 DEFAULT_RUN_DIR = "runs/latest"
-#: seconds, on top of --timeout, that workers get to report a failed peer and exit
-TEARDOWN_S = 5.0
 
 
 class UsageError(Exception):
@@ -201,8 +198,9 @@ def under_torchrun() -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .launcher import launch_workers
+    from .bench import run_on_link
     from .metrics import format_table
+    from .runner import RunFailed
     from .train import print_summary, run_worker
 
     run_dir = resolve_run_dir(args)
@@ -214,43 +212,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg = config_from_args(args, args.algorithm, args.workers, run_dir)
     rate = parse_bandwidths(args.bandwidth, fallback=False)[0][1]
-    if rate is not None:
-        from .bench import run_on_link
-        from .metrics import format_table as table
-        try:
-            row = run_on_link(cfg, rate)
-        except RuntimeError as e:
-            print(f"lowband: error: {e}", file=sys.stderr)
-            return 1
-        print(table([row]))
-        print(f"run directory: {cfg.run_dir} (link {args.bandwidth} per worker, both directions)")
-        return 0
-    os.makedirs(cfg.run_dir, exist_ok=True)
     if cfg.resume:
         try:   # the workers check again; this turns the common mistakes into a usage error
             check_resumable(read_manifest(cfg.run_dir), dataclasses.asdict(cfg), cfg.workers)
         except CheckpointError as e:
             raise UsageError(str(e)) from None
-    stale_files = ("summary.json",) if cfg.resume else ("steps.jsonl", "epochs.jsonl", "summary.json")
-    for stale in stale_files:
-        path = os.path.join(cfg.run_dir, stale)
-        if os.path.exists(path):
-            os.remove(path)
-    if not cfg.resume:   # a fresh run must never be "resumed" from an older run's checkpoint
-        shutil.rmtree(os.path.join(cfg.run_dir, CHECKPOINT_DIRNAME), ignore_errors=True)
-    config_path = os.path.join(cfg.run_dir, "config.json")
-    with open(config_path, "w") as f:
-        f.write(cfg.to_json())
-    # the workers notice a dead or silent peer within --timeout; the grace period covers it
-    result = launch_workers(cfg.workers, config_path, threads=cfg.threads, master_addr=cfg.master_addr,
-                            grace_s=cfg.timeout_s + TEARDOWN_S)
-    if result.returncode != 0:
-        print(f"lowband: error: {result.describe()}", file=sys.stderr)
-        return result.returncode
-    import json
-    with open(os.path.join(cfg.run_dir, "summary.json")) as f:
-        print(format_table([json.load(f)]))
-    print(f"run directory: {cfg.run_dir}")
+    try:
+        row = run_on_link(cfg, rate)
+    except RunFailed as e:
+        print(f"lowband: error: {e.result.describe()}", file=sys.stderr)
+        return e.result.returncode
+    print(format_table([row]))
+    link = "loopback" if rate is None else f"link {args.bandwidth} per worker, both directions"
+    print(f"run directory: {cfg.run_dir} ({link})")
     return 0
 
 
@@ -291,6 +265,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     import platform
     from .bench import RESULTS_FILE, run_on_link
+    from .runner import RunFailed
     from .metrics import read_jsonl, write_json_atomic
     from .report import derive, markdown_table, plot, render_section, update_doc
 
@@ -319,9 +294,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label}", file=sys.stderr, flush=True)
         try:
             row = run_on_link(cfg, rate)
-        except RuntimeError as e:
+        except RunFailed as e:
             print(f"lowband: error: {e}", file=sys.stderr)
-            return 1
+            return e.result.returncode
         epochs = read_jsonl(os.path.join(cfg.run_dir, "epochs.jsonl"))
         row.update(bandwidth=label, rate_bits=rate, algorithm=spec,
                    curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs])

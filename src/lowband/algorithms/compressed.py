@@ -104,7 +104,7 @@ class CompressedSGD(Algorithm):
         self.reducer: CompressedCollective = make_collective(self.collective, ctx.comm, codec)
         everything = range(len(ctx.params))
         dense = [i for i in everything if self.compress_vectors or ctx.params[i].dim() > 1]
-        vectors = [i for i in everything if i not in set(dense)]
+        vectors = sorted(set(everything) - set(dense))
         self.buckets = BucketSet(ctx.params, dense, int(self.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         self.plain = BucketSet(ctx.params, vectors, int(self.bucket_mb * MIB), self._allreduce)

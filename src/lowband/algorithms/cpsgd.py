@@ -87,6 +87,8 @@ class CPSGD(Algorithm):
         self.reducer = make_collective(self.collective, ctx.comm, codec)
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
+        group_index = {id(p): k for k, g in enumerate(ctx.optimizer.param_groups) for p in g["params"]}
+        self.group_of = [group_index.get(id(p)) for p in ctx.params]   # optimizer group (None: not optimized)
         self.t = 0                                   # iterations completed
         self.global_weights: Optional[list[torch.Tensor]] = None   # W while pipelining
         self.in_flight: Optional[list[PendingReduce]] = None       # step t-1's averages
@@ -163,13 +165,11 @@ class CPSGD(Algorithm):
         if self.local_update == "none":
             return
         if self.local_update == "sgd":
+            groups = self.ctx.optimizer.param_groups
             with torch.no_grad():
-                for group in self.ctx.optimizer.param_groups:
-                    alpha = group["lr"] if self.local_lr is None else self.local_lr
-                    members = {id(q) for q in group["params"]}
-                    for p, g in zip(params, local_grads):
-                        if g is not None and id(p) in members:
-                            p.add_(g, alpha=-alpha)
+                for p, g, k in zip(params, local_grads, self.group_of):
+                    if g is not None and k is not None:
+                        p.add_(g, alpha=-(groups[k]["lr"] if self.local_lr is None else self.local_lr))
             return
         # "optimizer": a tentative step of the user's optimizer, its state restored afterwards
         opt = self.ctx.optimizer

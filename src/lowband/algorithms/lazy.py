@@ -127,6 +127,7 @@ class LazyUpdate(Algorithm):
         self.buckets = BucketSet(ctx.params, regular, int(self.bucket_mb * MIB), self._launch)
         self.probe = self.layer_slices[-1] if self.layer_slices else []
         self.acc = [torch.zeros_like(ctx.params[i]) for i in self.lazy_indices]
+        self.acc_of = {i: k for k, i in enumerate(self.lazy_indices)}   # parameter index -> accumulator
         self.tau = 1
         self.n = 0
         self.syncs = 0
@@ -169,7 +170,7 @@ class LazyUpdate(Algorithm):
         """One fused all-reduce: every lazy accumulator plus the latest gradients the interval
         rule needs (the probe layer's, or every lazy layer's for the vote variant)."""
         need = self.lazy_indices if self.variant == "vote" else self.probe
-        pos = {i: k for k, i in enumerate(self.lazy_indices)}
+        pos = self.acc_of
         extra = [latest[pos[i]] if latest[pos[i]] is not None else torch.zeros_like(self.ctx.params[i]) for i in need]
         fused = flatten(self.acc + extra)
         return self.ctx.comm.all_reduce(fused, op=dist.ReduceOp.AVG, async_op=True), fused
@@ -182,7 +183,7 @@ class LazyUpdate(Algorithm):
             accs.append(fused[offset:offset + n])
             params[i].grad = fused[offset:offset + n].view_as(params[i]).clone()   # sum over n steps of global means
             offset += n
-        pos = {i: k for k, i in enumerate(self.lazy_indices)}
+        pos = self.acc_of
         if self.variant == "probe":
             g = fused[offset:].clone()
             a = torch.cat([accs[pos[i]] for i in self.probe])
