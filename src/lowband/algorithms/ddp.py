@@ -32,28 +32,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
-from ..collectives.communicator import TimedWork, flatten, unflatten_into
+from ..collectives.communicator import flatten, unflatten_into
 from .base import Algorithm, EngineContext
+from .ssgd import MIB
 
-MIB = 1 << 20
 #: DDP's own default bucket cap (``torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB``)
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
-
-
-def _completed_future(value: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-def _future_of(work: TimedWork, value: torch.Tensor) -> torch.futures.Future:
-    """A future for a counted collective. ``TimedWork`` exposes ``wait()`` only, and a DDP
-    hook must return a future (DDP awaits it inside backward), so reach for the wrapped
-    ``dist.Work``; ``None`` means the collective was a no-op (world size 1)."""
-    inner: Optional[dist.Work] = getattr(work, "_work")
-    if inner is None:
-        return _completed_future(value)
-    return inner.get_future()
 
 
 @dataclass
@@ -129,7 +113,7 @@ class DDP(Algorithm):
         tensor = bucket.buffer()
         tensor.div_(self.ctx.world_size)
         work = self.ctx.comm.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-        return _future_of(work, tensor).then(lambda fut: self._mark_done(tensor))
+        return work.get_future(tensor).then(lambda fut: self._mark_done(tensor))
 
     # -- per iteration -------------------------------------------------------------------
     def step(self) -> None:
@@ -159,7 +143,7 @@ class DDPFP16(DDP):
             buffer.copy_(compressed)   # in place, as PyTorch does, to keep peak memory down
             return self._mark_done(buffer)
 
-        return _future_of(work, compressed).then(decompress)
+        return work.get_future(compressed).then(decompress)
 
 
 @dataclass

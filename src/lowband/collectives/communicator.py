@@ -82,6 +82,15 @@ class TimedWork:
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
 
+    def get_future(self, value: torch.Tensor) -> torch.futures.Future:
+        """A future resolving to ``value`` when the collective is done (DDP comm hooks must
+        return one; DDP awaits it inside backward, so no wait time is charged here)."""
+        if self._work is None:       # no-op collective (world size 1) or already waited
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(value)
+            return fut
+        return self._work.get_future().then(lambda _: value)
+
 
 class Communicator:
     """Thin, counted wrapper over a torch.distributed process group.
