@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lowband.algorithms.buckets import plan_buckets
-from lowband.algorithms.compressed import build_compressor
+from lowband.collectives.wire import allreduce_bytes
+from lowband.compressors import build_compressor
 from lowband.collectives.communicator import Communicator
 from lowband.collectives.compressed import COLLECTIVES, make_collective
 from lowband.compressors import COMPRESSORS
@@ -65,7 +66,7 @@ def _worker(rank: int, world: int, port: int, bucket_mb: float, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     rows = []
     for wname, sizes in workloads(bucket_mb).items():
-        ring = sum(2.0 * (world - 1) / world * FP32_BYTES * n for n in sizes)
+        ring = sum(allreduce_bytes(FP32_BYTES * n, world) for n in sizes)
         for label, codec, options in VARIANTS:
             for kind in COLLECTIVES:
                 comm = Communicator()

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from lowband.collectives.wire import allreduce_bytes
+
 MASTER_PORT = "29518"  # free in rank 0's fresh namespace
 
 
@@ -71,7 +73,7 @@ def measure(rate_text: str, world: int, size: int, iters: int, burst: str | None
     assert all(r["ok"] for r in results), "wrong all_reduce result"
     per_iter = [max(r["times"][i] for r in results) for i in range(iters)]
     t = statistics.median(per_iter)
-    payload = 2 * (world - 1) / world * size
+    payload = allreduce_bytes(size, world)
     wire_tx = statistics.mean(after[r][0] - before[r][0] for r in range(world)) / iters  # incl. warm-up, tiny
     algbw = payload * 8 / t
     return {

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lowband import netem
+from lowband.collectives.wire import allreduce_bytes
 from lowband.netem import EmulatedCluster, cleanup_stale, parse_rate
 
 HERE = Path(__file__).resolve().parent
@@ -122,7 +123,7 @@ def test_shaped_gloo_allreduce() -> None:
         qd = subprocess.run(["tc", "-n", c.hub_ns, "qdisc"], capture_output=True, text=True).stdout
         assert qd.count("tbf") == world
     assert all(res["ok"] for res in results)
-    payload = 2 * (world - 1) / world * size  # ring all_reduce bytes sent per rank
+    payload = allreduce_bytes(size, world)  # ring all_reduce bytes sent per rank
     expected_s = payload * 8 / rate
     measured_s = max(res["times"][0] for res in results)
     assert measured_s >= 0.7 * expected_s, (measured_s, expected_s)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lowband.algorithms.compressed import DEFAULT_TWO_BIT_OPTIONS, build_compressor
+from lowband.compressors import DEFAULT_TWO_BIT_OPTIONS, build_compressor
 from lowband.compressors import ErrorFeedback, TwoBitQuantizer, make_compressor
 
 

@@ -46,10 +46,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .algorithms.compressed import DEFAULT_WARMUP_STEPS, build_compressor
+from .algorithms.compressed import DEFAULT_WARMUP_STEPS
 from .collectives.communicator import CommStats, Communicator
 from .collectives.compressed import COLLECTIVES, CompressedCollective, make_collective
-from .compressors import COMPRESSORS
+from .collectives.wire import allreduce_bytes
+from .compressors import COMPRESSORS, build_compressor
 
 #: Iterations before which bucket-keyed state must not exist (DDP rebuilds buckets after the
 #: first iteration; see the module docstring).
@@ -176,7 +177,7 @@ class CompressionHookState:
 
 
 def _ring_bytes(numel: int, element_size: int, world: int) -> int:
-    return int(round(2.0 * (world - 1) / world * numel * element_size))
+    return int(round(allreduce_bytes(numel * element_size, world)))
 
 
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

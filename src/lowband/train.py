@@ -196,6 +196,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                 "bytes_sent": after.bytes_sent - before["bytes_sent"],
                 "bytes_received": after.bytes_received - before["bytes_received"],
                 "lr": optimizer.param_groups[0]["lr"], "skipped": not applied,
+                **engine.algorithm.step_metrics(),
             })
             if progress is not None:
                 progress.update(1)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -84,6 +84,19 @@ class Algorithm(ABC):
 
     def drain(self) -> None:
         """Finish all in-flight work so the model holds the global weights."""
+
+    def global_parameters(self) -> "Optional[list[torch.Tensor]]":
+        """The global model's parameter values, aligned with ``ctx.params``, for evaluating or
+        checking the global model without changing training state (callers must not modify
+        them). ``None``: the model's own parameters are the global model. An algorithm whose
+        replicas differ between syncs (local SGD) may compute an average here, on copies."""
+        return None
+
+    def step_metrics(self) -> dict[str, Any]:
+        """Plain-data values of the step just taken that the training loop logs in
+        ``steps.jsonl`` (the lazy update's tau and sync flag, CP-SGD's correction flag, ...).
+        Must not communicate and must not change state."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """Trajectory-relevant state (residuals, counters, pipeline), keyed by parameter name."""

@@ -13,28 +13,13 @@ import torch.distributed as dist
 
 from ..collectives.communicator import TimedWork
 from ..collectives.compressed import COLLECTIVES, CompressedCollective, make_collective
-from ..compressors import COMPRESSORS, ErrorFeedback, make_compressor
+from ..compressors import COMPRESSORS, build_compressor
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from .ssgd import MIB
+from ..collectives.wire import MIB
 
-#: What ``--compressor 2bit`` gets when neither ``threshold`` nor ``relative`` is given: the
-#: scale-aware mode (fire at 1x the RMS of each 256-element block, decode to the fired mean).
-#: Every fixed (exact MXNet) threshold of the cnn sweep diverged at lr 0.05, and per-block
-#: scales beat one scale per bucket on both models (docs/compression.md, "Threshold study").
-#: Exact MXNet semantics: ``--compressor-option threshold=T``.
-DEFAULT_TWO_BIT_OPTIONS: dict[str, float | int] = {"relative": 1.0, "scale_block": 256}
 #: fp32 all-reduce steps before compression starts (see ``CompressedSGD.warmup_steps``).
 DEFAULT_WARMUP_STEPS = 100
-
-
-def build_compressor(name: str, options: dict[str, Any], error_feedback: bool):
-    """A codec by registry name, with lowband's defaults filled in, optionally EF-wrapped."""
-    opts = dict(options)
-    if name == "2bit" and "threshold" not in opts and "relative" not in opts:
-        opts.update(DEFAULT_TWO_BIT_OPTIONS)
-    codec = make_compressor(name, **opts)
-    return ErrorFeedback(codec) if error_feedback else codec
 
 
 def check_compression_knobs(owner: str, compressor: str, options: dict[str, Any], collective: str,

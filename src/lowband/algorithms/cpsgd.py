@@ -26,8 +26,9 @@ import torch
 from ..collectives.compressed import PendingReduce, make_collective
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from .compressed import bucket_segments, build_compressor, check_compression_knobs
-from .ssgd import MIB
+from ..compressors import build_compressor
+from .compressed import bucket_segments, check_compression_knobs
+from ..collectives.wire import MIB
 
 LOCAL_UPDATES = ("sgd", "optimizer", "none")
 

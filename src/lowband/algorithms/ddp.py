@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives.communicator import flatten, unflatten_into
 from .base import Algorithm, EngineContext
-from .ssgd import MIB
+from ..collectives.wire import MIB
 
 #: DDP's own default bucket cap (``torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB``)
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0

@@ -28,7 +28,7 @@ from torch import nn
 from ..collectives.communicator import flatten
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from .ssgd import MIB
+from ..collectives.wire import MIB
 
 VARIANTS = ("probe", "vote")
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)

@@ -6,10 +6,9 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
+from ..collectives.wire import MIB
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-
-MIB = 1 << 20
 
 
 @dataclass

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .wire import allgather_bytes, allreduce_bytes, alltoall_bytes
+
 
 @dataclass
 class CommStats:
@@ -121,7 +123,7 @@ class Communicator:
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> TimedWork:
         n, p = self._nbytes(tensor), self.world_size
-        wire = 2.0 * (p - 1) / p * n
+        wire = allreduce_bytes(n, p)
         self.stats.record("all_reduce", n, wire, wire)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True) if p > 1 else None
         return self._finish(work, async_op)
@@ -129,7 +131,7 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> TimedWork:
         """Gather ``tensor`` from every rank into ``output`` (shape ``[world, *tensor.shape]`` or flat)."""
         n, p = self._nbytes(tensor), self.world_size
-        self.stats.record("all_gather", n, (p - 1) * n, (p - 1) * n)
+        self.stats.record("all_gather", n, allgather_bytes(n, p), allgather_bytes(n, p))
         if p > 1:
             work = _all_gather_single(output, tensor.contiguous(), group=self.group, async_op=True)
         else:
@@ -140,7 +142,7 @@ class Communicator:
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> TimedWork:
         """Even-split all-to-all: chunk i of ``tensor`` goes to rank i."""
         n, p = self._nbytes(tensor), self.world_size
-        wire = (p - 1) / p * n
+        wire = alltoall_bytes(n, p)
         self.stats.record("all_to_all", n, wire, wire)
         if p > 1:
             work = dist.all_to_all_single(output, tensor.contiguous(), group=self.group, async_op=True)

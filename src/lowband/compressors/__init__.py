@@ -6,6 +6,7 @@
 
 from .base import COMPRESSORS, Compressor, Ctx, Identity, compressor_class, make_compressor
 from .error_feedback import ErrorFeedback
+from .factory import DEFAULT_TWO_BIT_OPTIONS, build_compressor
 from .fp16 import BF16, FP16
 from .onebit import OneBitSign
 from .powersgd import PowerSGD
@@ -17,6 +18,8 @@ from .twobit import TwoBitQuantizer
 
 __all__ = [
     "BF16",
+    "DEFAULT_TWO_BIT_OPTIONS",
+    "build_compressor",
     "COMPRESSORS",
     "FP16",
     "OneBitSign",
