@@ -266,7 +266,7 @@ def parse_bandwidths(text: str, fallback: bool, workers: Sequence[int] = ()) -> 
         try:
             out.append((label, netem.parse_rate(label)))
         except ValueError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(f"--bandwidth: {e}") from None
     if not out:
         raise UsageError("--bandwidth needs at least one rate")
     if any(rate is not None for _, rate in out):
