@@ -176,7 +176,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     def evaluate_and_record(epoch: int) -> tuple[float, float]:
         """Score a copy of the global model and log it (train_s excludes evaluation time).
         The copy leaves every piece of training state alone, so a run with evaluations
-        follows the same trajectory as one without (tests/test_reliability_eval.py)."""
+        follows the same trajectory as one without (tests/test_reliability_engine.py)."""
         acc, tl = evaluate(engine.global_model(), test, rank, world)
         writer.epoch({"epoch": epoch, "step": step, "test_accuracy": acc, "test_loss": tl,
                       "wall_s": time.perf_counter() - wall0, "train_s": train_time})
