@@ -276,6 +276,12 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def unavailable(name: str) -> Optional[str]:
+    """Why an algorithm that needs an optional extra (the torchft peers) cannot run here."""
+    check = getattr(ALGORITHMS.get(name), "unavailable", None)
+    return check() if check is not None else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import platform
     from .bench import RESULTS_FILE, run_on_link
@@ -291,6 +297,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for w in workers:
             for spec in algorithms:
                 name, *own = spec.split(":")     # per-algorithm options: cpsgd:warmup_steps=20
+                reason = unavailable(name)
+                if reason:
+                    if (label, w) == (links[0][0], workers[0]):
+                        print(f"lowband: skipping {spec}: {reason}", file=sys.stderr)
+                    continue
                 run_dir = os.path.join(args.out, "runs", f"{label}-{w}w-{spec.replace(':', '-')}")
                 cfg = config_from_args(args, name, w, run_dir)
                 if own:
