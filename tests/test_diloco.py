@@ -24,7 +24,7 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 STREAMING = {"sync_every": H, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "timeout_s": 30.0}
 
 
-def _run(rank, world, algorithm, options, inject_error_at=None):
+def _run(rank, world, algorithm, options, inject_error_at=None, drain_at=()):
     torch.manual_seed(0)
     model = SmallNet()
     opt = make_optimizer("sgd", model)
@@ -43,6 +43,12 @@ def _run(rank, world, algorithm, options, inject_error_at=None):
                 manager._pg.errored = lambda: RuntimeError("injected")
                 manager._max_retries = None   # so that lowband's own count of commits must catch it
             engine.step()
+            if step in drain_at:          # what an evaluation does: drain, score, train on
+                engine.synchronize()
+                with torch.no_grad():
+                    engine.module.eval()
+                    engine.module(x)
+                    engine.module.train()
             commits.append(engine.algorithm.step_metrics()["commits"])
     except CommitFailed as e:
         engine.close()
@@ -58,6 +64,7 @@ def _all(rank, world):
     """One spawn for every case (each spawn costs an interpreter, torch and torchft)."""
     return (_run(rank, world, "diloco", {"sync_every": H, "timeout_s": 30.0}),
             _run(rank, world, "streaming-diloco", STREAMING),
+            _run(rank, world, "streaming-diloco", STREAMING, drain_at=(3, 5)),
             _run(rank, world, "diloco", {"sync_every": H, "timeout_s": 30.0}, inject_error_at=H))
 
 
@@ -90,7 +97,7 @@ def _simulate_diloco(world):
 
 
 def test_diloco_peers_at_two_workers():
-    (d0, s0, f0), (d1, s1, f1) = run_distributed(_all, 2, timeout_s=120)
+    (d0, s0, e0, f0), (d1, s1, e1, f1) = run_distributed(_all, 2, timeout_s=300)
     n_bytes = sum(p.numel() * 4 for p in SmallNet().parameters())
     n_tensors = len(list(SmallNet().parameters()))   # torchft all-reduces one tensor at a time
     # DiLoCo: both ranks end with the same model, which is the hand-written DiLoCo's
@@ -107,6 +114,8 @@ def test_diloco_peers_at_two_workers():
         assert commits == [s // (H // 2) for s in range(1, STEPS + 1)]
         assert sent == [2 * n_tensors, int(2 * allreduce_bytes(n_bytes, 2))]
     assert max_rel_err(s0[0], d0[0]) > 1e-4                                    # a different method
+    # evaluations mid-run (a drain between syncs) leave the trajectory bit-identical
+    assert max_rel_err(e0[0], s0[0]) == 0.0 and max_rel_err(e1[0], s1[0]) == 0.0
     # a commit that torchft voted down (and so silently reset the parameters) stops the run
     for message in (f0, f1):
         assert isinstance(message, str) and "committed 0 of the 1 syncs due by step 4" in message

@@ -287,7 +287,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import RESULTS_FILE, run_on_link
     from .runner import RunFailed
     from .metrics import read_jsonl, write_json_atomic
-    from .report import derive, markdown_table, plot, render_section, update_doc
+    from .report import (derive, eval_points, markdown_table, plot, render_section, target_summary, target_table,
+                         update_doc)
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     workers = _int_list(args.workers, "--workers")
@@ -324,9 +325,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return e.result.returncode
         epochs = read_jsonl(os.path.join(cfg.run_dir, "epochs.jsonl"))
         row.update(bandwidth=label, rate_bits=rate, algorithm=spec,
-                   curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs])
+                   curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs], evals=eval_points(epochs))
         rows.append(row)
         write_json_atomic(os.path.join(args.out, RESULTS_FILE), results)
+    print(target_table(derive(rows)))
+    print("\n".join(target_summary(derive(rows))))
     print(markdown_table(derive(rows)))
     images = plot(derive(rows), args.out)
     print(f"results: {os.path.join(args.out, RESULTS_FILE)}; plots: {', '.join(images)}", file=sys.stderr)

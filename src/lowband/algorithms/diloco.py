@@ -223,6 +223,8 @@ class DiLoCo(Algorithm):
         )
         self._time_syncs()
         self._diloco.__enter__()
+        self._local: Optional[list[torch.Tensor]] = None      # the model's own weights during a drain
+        self._restore_hook = ctx.model.register_forward_pre_hook(self._restore_local)
 
     def _count_allreduce_bytes(self) -> None:
         manager, stats, world = self._manager, self.ctx.comm.stats, self.ctx.world_size
@@ -286,14 +288,24 @@ class DiLoCo(Algorithm):
     @torch.no_grad()
     def drain(self) -> None:
         """Wait for a fragment all-reduce in flight, then load the global weights into the
-        model, so every worker holds the same model. Local progress since a fragment's last
-        sync is dropped (none for DiLoCo at a multiple of sync_every); training is meant to
-        end here: a step after a drain continues from the global weights."""
+        model, so every worker holds (and evaluates) the same model. The local weights are
+        kept aside and put back before the next forward pass in training mode, so a drain for
+        an evaluation leaves the trajectory as it was; after the last drain the model stays
+        global."""
         for fragment in self._diloco._fragments:
             for work in fragment._allreduce_work:
                 work.wait()
+        if self._local is None:
+            self._local = [p.detach().clone() for p in self.ctx.params]
         for p, g in zip(self.ctx.params, self.global_parameters()):
             p.copy_(g)
+
+    @torch.no_grad()
+    def _restore_local(self, module: nn.Module, _inputs: Any) -> None:
+        if self._local is not None and module.training:
+            for p, v in zip(self.ctx.params, self._local):
+                p.copy_(v)
+            self._local = None
 
     def step_metrics(self) -> dict[str, Any]:
         return {"commits": self._manager.current_step()}
@@ -304,6 +316,9 @@ class DiLoCo(Algorithm):
                          "run without --checkpoint-every")
 
     def close(self) -> None:
+        hook = getattr(self, "_restore_hook", None)
+        if hook is not None:
+            hook.remove()
         diloco = getattr(self, "_diloco", None)
         if diloco is not None:
             diloco.__exit__(None, None, None)
