@@ -60,10 +60,14 @@ def _run(rank, world, algorithm, options, inject_error_at=None, drain_at=()):
     return result
 
 
-def _all(rank, world):
-    """One spawn for these cases (each spawn costs an interpreter, torch and torchft)."""
+def _diloco_and_failure(rank, world):
+    """One spawn for two cases (each spawn costs an interpreter, torch and torchft)."""
     return (_run(rank, world, "diloco", {"sync_every": H, "timeout_s": 30.0}),
-            _run(rank, world, "streaming-diloco", STREAMING),
+            _run(rank, world, "diloco", {"sync_every": H, "timeout_s": 30.0}, inject_error_at=H))
+
+
+def _streaming(rank, world):
+    return (_run(rank, world, "streaming-diloco", STREAMING),
             _run(rank, world, "streaming-diloco", STREAMING, drain_at=(3, 5)))
 
 
@@ -95,36 +99,38 @@ def _simulate_diloco(world):
     return params_of(global_model)
 
 
-def test_diloco_peers_at_two_workers():
-    (d0, s0, e0), (d1, s1, e1) = run_distributed(_all, 2, timeout_s=300)
+def _sizes():
     n_bytes = sum(p.numel() * 4 for p in SmallNet().parameters())
     n_tensors = len(list(SmallNet().parameters()))   # torchft all-reduces one tensor at a time
-    # DiLoCo: both ranks end with the same model, which is the hand-written DiLoCo's
+    return n_bytes, n_tensors
+
+
+def test_diloco_equals_reference_and_a_failed_commit_stops_it():
+    (d0, f0), (d1, f1) = run_distributed(_diloco_and_failure, 2, timeout_s=300)
+    n_bytes, n_tensors = _sizes()
+    # both ranks end with the same model, which is the hand-written DiLoCo's
     for (params, sent, commits, _), other in ((d0, d1), (d1, d0)):
         assert max_rel_err(params, other[0]) == 0.0
         assert commits == [s // H for s in range(1, STEPS + 1)]
         assert sent == [STEPS // H * n_tensors, int(STEPS // H * allreduce_bytes(n_bytes, 2))]
     assert max_rel_err(d0[0], _simulate_diloco(2)) <= 1e-5
-    start = params_of(SmallNet())
-    assert max_rel_err(d0[0], start) > 1e-3                                    # it trained
-    # Streaming DiLoCo: one fragment per H / 2 steps, every fragment synced twice in 8 steps
+    assert max_rel_err(d0[0], params_of(SmallNet())) > 1e-3                     # it trained
+    # a commit that torchft voted down (and so silently reset the parameters) stops the run
+    for message in (f0, f1):
+        assert isinstance(message, str) and "committed 0 of the 1 syncs due by step 4" in message
+
+
+def test_streaming_diloco_identical_ranks_bytes_and_evaluation_invariance():
+    (s0, e0), (s1, e1) = run_distributed(_streaming, 2, timeout_s=300)
+    n_bytes, n_tensors = _sizes()
+    # one fragment per H / 2 steps, every fragment synced twice in 8 steps
     for (params, sent, commits, _), other in ((s0, s1), (s1, s0)):
         assert max_rel_err(params, other[0]) == 0.0
         assert commits == [s // (H // 2) for s in range(1, STEPS + 1)]
         assert sent == [2 * n_tensors, int(2 * allreduce_bytes(n_bytes, 2))]
-    assert max_rel_err(s0[0], d0[0]) > 1e-4                                    # a different method
+    assert max_rel_err(s0[0], _simulate_diloco(2)) > 1e-4                       # not DiLoCo
     # evaluations mid-run (a drain between syncs) leave the trajectory bit-identical
     assert max_rel_err(e0[0], s0[0]) == 0.0 and max_rel_err(e1[0], s1[0]) == 0.0
-
-
-def _commit_failure(rank, world):
-    return _run(rank, world, "diloco", {"sync_every": H, "timeout_s": 30.0}, inject_error_at=H)
-
-
-def test_failed_commit_stops_the_run():
-    """A commit that torchft votes down (and so silently resets the parameters) stops the run."""
-    for message in run_distributed(_commit_failure, 2, timeout_s=300):
-        assert isinstance(message, str) and "committed 0 of the 1 syncs due by step 4" in message
 
 
 def test_split_fragments_contiguous_nonempty_balanced():
