@@ -15,7 +15,7 @@ venv: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,peers]'
 	touch $@
 
 # Fashion-MNIST from Debian's package, when it is missing and apt is usable.

@@ -9,9 +9,10 @@ from typing import Any, Optional
 
 from .data import DEFAULT_DATA_DIR
 from .guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, NONFINITE_POLICIES
+from .tasks import check_pairing
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "warmup-cosine")
 #: numpy's seed range (torch's and Python's are wider)
 SEED_LIMIT = 2 ** 32
 #: --timeout above this is a typo, not a timeout (and overflows torch's millisecond timers)
@@ -20,7 +21,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 @dataclass
 class TrainConfig:
-    """One run. Every field is a CLI flag of ``lowband train`` (``--field-name``)."""
+    """One run. Every field is a CLI flag of ``lowband train`` (``--field-name``). The defaults
+    of dataset, batch size, optimizer, lr, weight decay and schedule here are the image
+    classifiers'; the CLI takes a language model's from :data:`lowband.tasks.TASK_DEFAULTS`."""
 
     model: str = "cnn"
     algorithm: str = "ssgd"
@@ -35,7 +38,8 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     optimizer: str = "sgd"
-    lr_schedule: str = "constant"
+    lr_schedule: str = "constant"  # "warmup-cosine": linear warm-up, then cosine to 10% (lowband.schedule)
+    warmup_steps: int = 0         # learning-rate warm-up steps of "warmup-cosine"
     seed: int = 0
     threads: int = 1              # intra-op threads per worker
     eval_every_epoch: bool = True
@@ -74,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: {', '.join(LR_SCHEDULES)}")
+        at_least("--warmup-steps", self.warmup_steps, 0)
+        check_pairing(self.model, self.dataset)
         if self.eval_every_steps is not None:
             at_least("--eval-every", self.eval_every_steps, 1)
         at_least("--threads", self.threads, 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -149,6 +150,163 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
     fig.savefig(os.path.join(out_dir, "throughput_vs_bandwidth.png"), dpi=110)
     plt.close(fig)
     written.append("throughput_vs_bandwidth.png")
+    written += plot_to_target(rows, out_dir)
+    return written
+
+
+# -- time to target: the headline ------------------------------------------------------------
+
+#: accuracy target: this share of the final test accuracy of the ssgd run of the same model
+ACCURACY_TARGET_SHARE = 0.95
+#: loss target (language models): the loss ssgd has covered this share of the way from the
+#: untrained loss, ln(vocabulary) = ln 256 nats per byte, to its final loss
+LOSS_TARGET_SHARE = 0.95
+UNTRAINED_LM_LOSS = math.log(256)
+TARGET_COLUMNS = [
+    ("model", "model", "{}"),
+    ("bandwidth", "bandwidth", "{}"),
+    ("workers", "workers", "{}"),
+    ("algorithm", "algorithm", "{}"),
+    ("final", "final_metric", "{:.4g}"),
+    ("target", "target", "{:.4g}"),
+    ("time to target s", "time_to_target_s", "{:.1f}"),
+    ("steps to target", "steps_to_target", "{}"),
+    ("step ms", "median_step_ms", "{:.1f}"),
+    ("MB sent/step", "mb_sent_per_step", "{:.3f}"),
+    ("first", "first", "{}"),
+]
+
+
+def eval_points(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluations of one run (from its epochs.jsonl), reduced to what the time-to-target
+    needs: step, training time (sum of step times, evaluation excluded), wall time, metrics."""
+    keys = ("step", "train_s", "wall_s", "test_accuracy", "test_loss", "bits_per_byte")
+    return [{k: e[k] for k in keys if k in e} for e in epochs]
+
+
+def metric_of(row: dict[str, Any]) -> tuple[str, bool]:
+    """The headline metric of a row's task and whether higher is better."""
+    return ("test_loss", False) if row.get("task") == "lm" else ("test_accuracy", True)
+
+
+def target_for(ssgd: dict[str, Any]) -> Optional[float]:
+    """The target, from the final metric of the ssgd run (see the constants above)."""
+    key, higher = metric_of(ssgd)
+    final = ssgd.get(key)
+    if final is None:
+        return None
+    if higher:
+        return ACCURACY_TARGET_SHARE * final
+    return final + (1.0 - LOSS_TARGET_SHARE) * (UNTRAINED_LM_LOSS - final)
+
+
+def time_to_target(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with its target (from the first ssgd row of the same model and worker count),
+    the training time and step of its first evaluation that reached it (None: never), and,
+    per model, link and worker count, ``first`` = "yes" on the method that got there soonest
+    (the compute-only ``noop`` is not ranked). Resolution: the evaluation interval."""
+    out = [dict(r) for r in rows]
+    for r in out:
+        key, higher = metric_of(r)
+        ssgd = next((p for p in out if str(p["algorithm"]).split(":")[0] == "ssgd"
+                     and (p.get("model"), p["workers"]) == (r.get("model"), r["workers"])), None)
+        target = target_for(ssgd) if ssgd is not None else None
+        r["final_metric"] = r.get(key)
+        r["target_metric"] = key
+        r["target"] = target
+        r["time_to_target_s"] = r["steps_to_target"] = None
+        if target is None:
+            continue
+        for e in r.get("evals", []):
+            value = e.get(key)
+            if value is not None and (value >= target if higher else value <= target):
+                r["time_to_target_s"], r["steps_to_target"] = e["train_s"], e["step"]
+                break
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in out:
+        groups.setdefault((r.get("model"), r["bandwidth"], r["workers"]), []).append(r)
+    for members in groups.values():
+        ranked = [r for r in members if r["time_to_target_s"] is not None and r["algorithm"] != "noop"]
+        for r in members:
+            r["first"] = ""
+        if ranked:
+            min(ranked, key=lambda r: r["time_to_target_s"])["first"] = "yes"
+    return out
+
+
+def target_table(rows: Sequence[dict[str, Any]]) -> str:
+    return markdown_table(time_to_target(rows), TARGET_COLUMNS)
+
+
+def target_summary(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One sentence per model, link and worker count: the target and who reached it first."""
+    lines = []
+    done = set()
+    for r in time_to_target(rows):
+        group = (r.get("model"), r["bandwidth"], r["workers"])
+        if group in done or r["target"] is None:
+            continue
+        done.add(group)
+        members = [m for m in time_to_target(rows) if (m.get("model"), m["bandwidth"], m["workers"]) == group]
+        what = ("validation loss <= {:.3f} nats/byte".format(r["target"]) if r["target_metric"] == "test_loss"
+                else "test accuracy >= {:.2%}".format(r["target"]))
+        winner = next((m for m in members if m["first"] == "yes"), None)
+        ssgd = next((m for m in members if str(m["algorithm"]).split(":")[0] == "ssgd"), None)
+        missed = [m["algorithm"] for m in members if m["time_to_target_s"] is None and m["algorithm"] != "noop"]
+        text = f"{group[0]}, {group[2]} workers, {group[1]}: target {what}; "
+        if winner is None:
+            text += "no method reached it"
+        else:
+            text += f"first: {winner['algorithm']} after {winner['time_to_target_s']:.1f} s of training"
+            if ssgd is not None and ssgd is not winner and ssgd["time_to_target_s"] is not None:
+                text += f" (ssgd {ssgd['time_to_target_s']:.1f} s)"
+        if missed:
+            text += f"; not reached within the run: {', '.join(missed)}"
+        lines.append(text + ".")
+    return lines
+
+
+def plot_to_target(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
+    """Per model: its headline metric against training time, one panel per link and worker
+    count, the target as a dashed line. Returns the written file names."""
+    sel = [r for r in time_to_target(rows) if r.get("evals")]
+    if not sel:
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in sel))
+    colors = {a: f"C{i % 10}" for i, a in enumerate(algorithms)}
+    for model in dict.fromkeys(r.get("model") for r in sel):
+        mine = [r for r in sel if r.get("model") == model]
+        groups = sorted({(r["bandwidth"], r["workers"]) for r in mine}, key=lambda g: (g[1], str(g[0])))
+        fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.8), squeeze=False)
+        for ax, (bw, w) in zip(axes[0], groups):
+            target = None
+            for r in mine:
+                if (r["bandwidth"], r["workers"]) != (bw, w):
+                    continue
+                key = r["target_metric"]
+                points = [(e["train_s"], e[key]) for e in r["evals"] if e.get(key) is not None]
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker=".", color=colors[r["algorithm"]], label=r["algorithm"],
+                            linestyle=":" if r["algorithm"] == "noop" else "-")
+                target = r["target"] if r["target"] is not None else target
+            if target is not None:
+                ax.axhline(target, color="k", linestyle="--", linewidth=0.8, label="target")
+            ax.set_title(f"{model}, {w} workers, {bw}")
+            ax.set_xlabel("training time (s, evaluation excluded)")
+            ax.set_ylabel("validation loss (nats/byte)" if mine[0]["target_metric"] == "test_loss" else "test accuracy")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        name = f"to_target_{model}.png"
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        plt.close(fig)
+        written.append(name)
     return written
 
 
@@ -164,12 +322,21 @@ def render_section(results: dict[str, Any], results_path: str, images_dir: Optio
         f"Regenerate this section: `{regenerate}`",
         f"Machine: {results.get('machine', '?')}. Link: {results.get('link', '?')}.",
         "",
+        "Time to target (training time until the first evaluation that reached it; the target "
+        "comes from the ssgd run of the same model, docs/workloads.md):",
+        "",
+        target_table(rows),
+        "",
+        *target_summary(rows),
+        "",
         markdown_table(rows),
     ]
     if images_dir:
         rel = os.path.relpath(os.path.abspath(images_dir), doc_dir)
+        models = dict.fromkeys(r.get("model") for r in rows if r.get("evals"))
         parts += ["", *(f"![{name}]({rel}/{name})" for name in
-                       ("accuracy_vs_time.png", "step_time_split.png", "throughput_vs_bandwidth.png"))]
+                       (*(f"to_target_{m}.png" for m in models),
+                        "accuracy_vs_time.png", "step_time_split.png", "throughput_vs_bandwidth.png"))]
     for note in results.get("notes", []):
         parts += ["", note]
     return "\n".join(parts)
@@ -194,6 +361,8 @@ def update_doc(doc_path: str, body: str, section: str = DEFAULT_SECTION) -> None
 def main_report(results_path: str, doc: Optional[str], images: Optional[str], section: str = DEFAULT_SECTION) -> int:
     results = load(results_path)
     rows = derive(results["rows"])
+    print(target_table(rows))
+    print("\n".join(target_summary(rows)))
     print(markdown_table(rows))
     if images:
         os.makedirs(images, exist_ok=True)

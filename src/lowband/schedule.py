@@ -21,24 +21,46 @@ from typing import Any
 import torch
 
 
-class CosineSchedule:
-    """Half-cosine decay to 0 over ``total`` steps, retargetable; the ``state_dict`` is plain data."""
+#: where ``warmup-cosine`` ends, as a share of the peak rate (the usual LM recipe decays to 10%)
+COSINE_FINAL_RATIO = 0.1
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total: int):
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, final_ratio: float = COSINE_FINAL_RATIO) -> float:
+    """The factor of a fresh ``warmup-cosine`` run: linear warm-up over ``warmup_steps`` (step 0
+    trains at 1/warmup of the peak), then a cosine from the peak to ``final_ratio`` of it at
+    ``total_steps``; flat after."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class CosineSchedule:
+    """Half-cosine decay over ``total`` steps to ``final_ratio`` of the initial rate (0 for the
+    ``cosine`` schedule), after an optional linear warm-up of ``warmup_steps`` (the LMs'
+    ``warmup-cosine``); retargetable; the ``state_dict`` is plain data."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total: int, warmup_steps: int = 0, final_ratio: float = 0.0):
         self.optimizer = optimizer
         self.base = [float(g["lr"]) for g in optimizer.param_groups]
         self.t = 0
-        self.segments: list[list[float]] = [[0, max(1, int(total)), 1.0]]
+        self.warmup_steps = int(warmup_steps)
+        self.final_ratio = float(final_ratio)
+        self.segments: list[list[float]] = [[min(self.warmup_steps, max(1, int(total)) - 1), max(1, int(total)), 1.0]]
         self._apply()
 
     def factor(self, t: int) -> float:
-        start, end, f0 = self.segments[-1]
+        first = self.segments[0]
+        if len(self.segments) == 1 and t < first[0]:          # linear warm-up of a fresh schedule
+            return (t + 1) / self.warmup_steps
+        start, end, f0 = first
         for seg in self.segments:          # the last segment that has begun at t
             if seg[0] <= t:
                 start, end, f0 = seg
+        floor = self.final_ratio
         if t >= end:
-            return 0.0
-        return f0 * 0.5 * (1.0 + math.cos(math.pi * (t - start) / (end - start)))
+            return min(f0, floor)
+        return floor + (f0 - floor) * 0.5 * (1.0 + math.cos(math.pi * (t - start) / (end - start)))
 
     def _apply(self) -> None:
         f = self.factor(self.t)
@@ -65,7 +87,8 @@ class CosineSchedule:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "cosine", "t": self.t, "base": list(self.base), "segments": [list(s) for s in self.segments]}
+        return {"kind": "cosine", "t": self.t, "base": list(self.base), "segments": [list(s) for s in self.segments],
+                "warmup_steps": self.warmup_steps, "final_ratio": self.final_ratio}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "cosine":
@@ -73,4 +96,6 @@ class CosineSchedule:
         self.t = int(state["t"])
         self.base = [float(b) for b in state["base"]]
         self.segments = [[int(s[0]), int(s[1]), float(s[2])] for s in state["segments"]]
+        self.warmup_steps = int(state.get("warmup_steps", 0))
+        self.final_ratio = float(state.get("final_ratio", 0.0))
         self._apply()

@@ -11,6 +11,7 @@ from .noop import NoComm
 from .ssgd import SSGD
 from .ddp import DDP, DDPFP16, DDPPowerSGD
 from .localsgd import LocalSGD
+from .diloco import DiLoCo, StreamingDiLoCo
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     SSGD.name: SSGD,
@@ -23,6 +24,9 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     DDPFP16.name: DDPFP16,
     DDPPowerSGD.name: DDPPowerSGD,
     LocalSGD.name: LocalSGD,
+    # through torchft, the optional extra lowband[peers]
+    DiLoCo.name: DiLoCo,
+    StreamingDiLoCo.name: StreamingDiLoCo,
 }
 
 
@@ -56,4 +60,4 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
 
 
 __all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "LazyUpdate", "DDP", "DDPFP16", "DDPPowerSGD",
-           "LocalSGD", "ALGORITHMS", "register", "make_algorithm"]
+           "LocalSGD", "DiLoCo", "StreamingDiLoCo", "ALGORITHMS", "register", "make_algorithm"]
