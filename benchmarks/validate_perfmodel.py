@@ -1,0 +1,232 @@
+"""Validate lowband's performance model against real runs over emulated links.
+
+Two phases, so each timing run stays short (run one `run` per link and worker count):
+
+    # measure: a link probe (small and large all_reduce) and `lowband bench` of every algorithm
+    python benchmarks/validate_perfmodel.py run --link 1gbit --workers 2 --out runs/validate
+    python benchmarks/validate_perfmodel.py run --link 1gbit --workers 4 --out runs/validate
+    ...  (200mbit, 50mbit)
+    # predict and compare (no timing; rerun at will, e.g. with a new profile)
+    python benchmarks/validate_perfmodel.py report --out runs/validate --profile cnn-2core \
+        --doc docs/results.md --section perfmodel-validation
+
+What is predicted and what is taken from the run under test:
+* measured on the link (probe, before the bench): per-message latency (median all_reduce time
+  of 64 bytes / 2(N-1)) and bulk efficiency (4 MiB all_reduce rate / nominal rate);
+* measured in the same bench run: the compute-only (`noop`) step time, which gives the
+  compute scale (noop step / profile compute step: CPU contention of N workers on this
+  machine's cores, and the load of the machine at the time); for `lazy`, the sync interval
+  tau, counted from the steps whose bytes exceed the non-sync steps';
+* predicted by the model: everything else (communication, overlap, codec cost and placement,
+  pipelining, periodic steps) from the profile, the network and the algorithm's rules.
+
+Measured step time: mean of the steps after the algorithm's warm-up (+3), over whole cycles
+of its periodic steps, from the run's steps.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+sys.path.insert(0, HERE)
+
+#: every algorithm of lowband's registry, with warm-ups short enough for ~60-step runs
+ALGORITHMS = ["noop", "ssgd", "ddp", "ddp-fp16", "ddp-powersgd", "compressed:warmup_steps=10",
+              "cpsgd:warmup_steps=10", "lazy", "localsgd"]
+#: steps excluded before the measured window: each algorithm's warm-up (defaults: ddp-powersgd's
+#: start_powerSGD_iter 10, localsgd's warmup_steps 10) plus 3
+SKIP = {"ddp-powersgd": 13, "localsgd": 13, "compressed": 13, "cpsgd": 13}
+DEFAULT_SKIP = 5
+TARGET = 0.15
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=HERE, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "?"
+
+
+# -- run -------------------------------------------------------------------------------------
+
+def probe(link: str, world: int) -> dict:
+    """Per-message latency and bulk efficiency of the emulated link (benchmarks/netem_link.py)."""
+    import netem_link
+    small = netem_link.measure(link, world, 64, 40, None, "50ms")
+    big = netem_link.measure(link, world, 4 << 20, 3, None, "50ms")
+    return {"latency_s": small["median_s"] / (2 * (world - 1)), "efficiency": min(1.0, big["ratio"] or 1.0),
+            "small_allreduce_s": small["median_s"], "big_allreduce": big}
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    out = os.path.join(args.out, f"{args.link}-{args.workers}w")
+    os.makedirs(out, exist_ok=True)
+    meta = {"link": args.link, "workers": args.workers, "commit": git_commit(), "load_before": load_average(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_steps": args.max_steps}
+    print(f"[{args.link} x{args.workers}] link probe", file=sys.stderr, flush=True)
+    meta["probe"] = probe(args.link, args.workers)
+    cmd = [sys.executable, "-m", "lowband.cli", "bench", "--algorithms", ",".join(args.algorithms.split(",")),
+           "--bandwidth", args.link, "--workers", str(args.workers), "--model", args.model,
+           "--max-steps", str(args.max_steps), "--no-progress", "--out", out]
+    meta["command"] = "lowband " + " ".join(cmd[3:])
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
+    r = subprocess.run(cmd, env=env)
+    meta["load_after"] = load_average()
+    with open(os.path.join(out, "validation-run.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return r.returncode
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
+    from lowband.metrics import read_jsonl
+    steps = read_jsonl(os.path.join(run_dir, "steps.jsonl"))
+    window = steps[SKIP.get(name, DEFAULT_SKIP):]
+    keep = max(cycle, len(window) // cycle * cycle) if cycle > 1 else len(window)
+    return window[-keep:]
+
+
+def measured_tau(steps: list[dict]) -> tuple[float, int]:
+    """Sync interval from the bytes per step: sync steps send the lazy layers' accumulators."""
+    low = min(s["bytes_sent"] for s in steps)
+    syncs = sum(1 for s in steps if s["bytes_sent"] > low * 1.001 + 64)
+    return (len(steps) / syncs if syncs else float(len(steps))), syncs
+
+
+def predict_group(group_dir: str, profile, rows_out: list[dict]) -> None:
+    from lowband.perf.model import MODELS, Cluster, estimate
+    from lowband.perf.network import Network
+    from lowband.perf.plan import parse_algorithm
+    from lowband.netem import parse_rate
+
+    with open(os.path.join(group_dir, "validation-run.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(group_dir, "results.json")) as f:
+        results = json.load(f)
+    rate, world = parse_rate(meta["link"]), meta["workers"]
+    pr = meta["probe"]
+    network = Network(rate, pr["latency_s"], pr["efficiency"])
+    runs = {row["algorithm"]: os.path.join(group_dir, "runs", f"{meta['link']}-{world}w-{row['algorithm'].replace(':', '-')}")
+            for row in results["rows"]}
+    noop_steps = steady_steps(runs["noop"], "noop", 1)
+    noop_s = statistics.mean(s["step_s"] for s in noop_steps)
+    scale = noop_s / profile.compute_s
+    for spec, run_dir in runs.items():
+        name, opts = parse_algorithm(spec)
+        if name not in MODELS:
+            continue
+        extra = ""
+        cycle = max(1, int(math.ceil(MODELS[name].cycle(opts))))
+        steps = steady_steps(run_dir, name, cycle)
+        if name == "lazy":
+            tau, syncs = measured_tau(steps)
+            opts["tau"] = tau
+            extra = f"tau {tau:.1f} ({syncs} syncs in {len(steps)} steps)"
+            cycle = max(1, int(math.ceil(tau)))
+            steps = steady_steps(run_dir, name, cycle)
+        mean = statistics.mean(s["step_s"] for s in steps)
+        med = statistics.median(s["step_s"] for s in steps)
+        est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale))
+        # without the noop calibration: contention assumed = workers per core (at least 1)
+        raw = estimate(profile, name, opts, Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
+        rows_out.append({
+            "link": meta["link"], "workers": world, "algorithm": spec, "measured_ms": 1e3 * mean,
+            "median_ms": 1e3 * med, "predicted_ms": 1e3 * est.step_s, "error": est.step_s / mean - 1,
+            "predicted_exposed_ms": 1e3 * est.exposed_s, "predicted_mb": est.bytes_sent / 1e6,
+            "measured_mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6, "scale": scale,
+            "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"], "note": extra,
+            "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
+            "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * raw.step_s})
+
+
+def render(rows: list[dict], profile_name: str, profile) -> str:
+    within = sum(1 for r in rows if abs(r["error"]) <= TARGET)
+    lines = [
+        f"Profile: `{profile_name}` ({profile.source}; {profile.machine}; {profile.date}).",
+        f"Runs: commit {', '.join(sorted({r['commit'] for r in rows}))}; "
+        f"dates {', '.join(sorted({r['date'] for r in rows}))}; one `lowband bench` per link and worker count, e.g. "
+        f"`{rows[0]['command']}` if rows else ''.",
+        f"Regenerate: `python benchmarks/validate_perfmodel.py report --out DIR --profile {profile_name} --doc docs/results.md`.",
+        "",
+        f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = mean step of the run's "
+        "steady steps (steps.jsonl); predicted = the model with the link probe's latency and efficiency and the "
+        "compute scale from the same run's `noop`; error = predicted / measured - 1; load = 1-minute load "
+        "average before / after the run (the machine was shared).",
+        "",
+        "| link | workers | algorithm | measured ms | median ms | predicted ms | error | predicted exposed ms | "
+        "MB/step measured | MB/step predicted | compute scale | latency us | link eff. | load | note |",
+        "|" + "---|" * 15,
+    ]
+    for r in rows:
+        flag = "" if abs(r["error"]) <= TARGET else " **miss**"
+        lines.append(
+            f"| {r['link']} | {r['workers']} | {r['algorithm']} | {r['measured_ms']:.1f} | {r['median_ms']:.1f} | "
+            f"{r['predicted_ms']:.1f} | {r['error']:+.1%}{flag} | {r['predicted_exposed_ms']:.1f} | "
+            f"{r['measured_mb']:.3f} | {r['predicted_mb']:.3f} | {r['scale']:.2f} | {r['latency_us']:.0f} | "
+            f"{r['efficiency']:.2f} | {r['load']} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from lowband.perf.profile import load_profile
+    from lowband.report import update_doc
+
+    profile = load_profile(args.profile)
+    rows: list[dict] = []
+    order = {"1gbit": 0, "200mbit": 1, "50mbit": 2}
+    groups = sorted(glob.glob(os.path.join(args.out, "*-*w")),
+                    key=lambda d: (order.get(os.path.basename(d).rsplit("-", 1)[0], 9), d))
+    for g in groups:
+        if os.path.exists(os.path.join(g, "validation-run.json")) and os.path.exists(os.path.join(g, "results.json")):
+            predict_group(g, profile, rows)
+    if not rows:
+        print(f"no completed runs under {args.out}", file=sys.stderr)
+        return 2
+    body = render(rows, args.profile, profile)
+    print(body)
+    with open(os.path.join(args.out, "validation.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    if args.doc:
+        update_doc(args.doc, body, args.section)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="probe the link and bench every algorithm (a timing run)")
+    r.add_argument("--link", required=True, help="tc rate, e.g. 1gbit")
+    r.add_argument("--workers", type=int, required=True)
+    r.add_argument("--out", default="runs/validate")
+    r.add_argument("--model", default="cnn")
+    r.add_argument("--max-steps", type=int, default=60)
+    r.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p = sub.add_parser("report", help="predict every run and compare")
+    p.add_argument("--out", default="runs/validate")
+    p.add_argument("--profile", default="cnn-2core")
+    p.add_argument("--doc", default=None)
+    p.add_argument("--section", default="perfmodel-validation")
+    args = ap.parse_args(argv)
+    return cmd_run(args) if args.cmd == "run" else cmd_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
