@@ -15,8 +15,10 @@ What is predicted and what is taken from the run under test:
   of 64 bytes / 2(N-1)) and bulk efficiency (4 MiB all_reduce rate / nominal rate);
 * measured in the same bench run: the compute-only (`noop`) step time, which gives the
   compute scale (noop step / profile compute step: CPU contention of N workers on this
-  machine's cores, and the load of the machine at the time); for `lazy`, the sync interval
-  tau, counted from the steps whose bytes exceed the non-sync steps';
+  machine's cores, and the load of the machine at the time). Each algorithm gets its own
+  `lowband bench --algorithms noop,ALG` run, so its compute scale comes from a noop run taken
+  right before it (the machine is shared and its load drifts within minutes); for `lazy`, the
+  sync interval tau, counted from the steps whose bytes exceed the non-sync steps';
 * predicted by the model: everything else (communication, overlap, codec cost and placement,
   pipelining, periodic steps) from the profile, the network and the algorithm's rules.
 
@@ -46,6 +48,7 @@ ALGORITHMS = ["noop", "ssgd", "ddp", "ddp-fp16", "ddp-powersgd", "compressed:war
 #: start_powerSGD_iter 10, localsgd's warmup_steps 10) plus 3
 SKIP = {"ddp-powersgd": 13, "localsgd": 13, "compressed": 13, "cpsgd": 13}
 DEFAULT_SKIP = 5
+ALGO_ORDER = {a.replace(":", "-"): i for i, a in enumerate(ALGORITHMS)}
 TARGET = 0.15
 
 
@@ -82,16 +85,19 @@ def cmd_run(args: argparse.Namespace) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_steps": args.max_steps}
     print(f"[{args.link} x{args.workers}] link probe", file=sys.stderr, flush=True)
     meta["probe"] = probe(args.link, args.workers)
-    cmd = [sys.executable, "-m", "lowband.cli", "bench", "--algorithms", ",".join(args.algorithms.split(",")),
-           "--bandwidth", args.link, "--workers", str(args.workers), "--model", args.model,
-           "--max-steps", str(args.max_steps), "--no-progress", "--out", out]
-    meta["command"] = "lowband " + " ".join(cmd[3:])
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
-    r = subprocess.run(cmd, env=env)
-    meta["load_after"] = load_average()
-    with open(os.path.join(out, "validation-run.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    return r.returncode
+    rc = 0
+    for spec in [a for a in args.algorithms.split(",") if a and a != "noop"]:
+        pair = os.path.join(out, spec.replace(":", "-"))
+        cmd = [sys.executable, "-m", "lowband.cli", "bench", "--algorithms", f"noop,{spec}",
+               "--bandwidth", args.link, "--workers", str(args.workers), "--model", args.model,
+               "--max-steps", str(args.max_steps), "--no-progress", "--out", pair]
+        pair_meta = {**meta, "command": "lowband " + " ".join(cmd[3:]), "load_before": load_average()}
+        rc = subprocess.run(cmd, env=env).returncode or rc
+        pair_meta["load_after"] = load_average()
+        with open(os.path.join(pair, "validation-run.json"), "w") as f:
+            json.dump(pair_meta, f, indent=1)
+    return rc
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -111,7 +117,7 @@ def measured_tau(steps: list[dict]) -> tuple[float, int]:
     return (len(steps) / syncs if syncs else float(len(steps))), syncs
 
 
-def predict_group(group_dir: str, profile, rows_out: list[dict]) -> None:
+def predict_pair(group_dir: str, profile, rows_out: list[dict]) -> None:
     from lowband.perf.model import MODELS, Cluster, estimate
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
@@ -131,7 +137,7 @@ def predict_group(group_dir: str, profile, rows_out: list[dict]) -> None:
     scale = noop_s / profile.compute_s
     for spec, run_dir in runs.items():
         name, opts = parse_algorithm(spec)
-        if name not in MODELS:
+        if name not in MODELS or name == "noop":
             continue
         extra = ""
         cycle = max(1, int(math.ceil(MODELS[name].cycle(opts))))
@@ -195,8 +201,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     groups = sorted(glob.glob(os.path.join(args.out, "*-*w")),
                     key=lambda d: (order.get(os.path.basename(d).rsplit("-", 1)[0], 9), d))
     for g in groups:
-        if os.path.exists(os.path.join(g, "validation-run.json")) and os.path.exists(os.path.join(g, "results.json")):
-            predict_group(g, profile, rows)
+        for pair in sorted(glob.glob(os.path.join(g, "*")), key=lambda d: ALGO_ORDER.get(os.path.basename(d), 99)):
+            if os.path.exists(os.path.join(pair, "validation-run.json")) and os.path.exists(os.path.join(pair, "results.json")):
+                predict_pair(pair, profile, rows)
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
         return 2
@@ -217,7 +224,7 @@ def main(argv=None) -> int:
     r.add_argument("--workers", type=int, required=True)
     r.add_argument("--out", default="runs/validate")
     r.add_argument("--model", default="cnn")
-    r.add_argument("--max-steps", type=int, default=60)
+    r.add_argument("--max-steps", type=int, default=40)
     r.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p = sub.add_parser("report", help="predict every run and compare")
     p.add_argument("--out", default="runs/validate")

@@ -35,7 +35,10 @@ from .simulate import Graph
 
 #: options the model understands beyond the algorithms' own knobs (what-if inputs)
 MODEL_OPTIONS = {
-    "lazy": {"tau": "mean sync interval of the lazy layers (steps); default DEFAULT_TAU"},
+    "ssgd": {"pattern": "bucketed (lowband) or pcnn (per-layer all-to-all + all-gather overlapped with the next "
+                        "forward, the lazy paper's code)"},
+    "lazy": {"tau": "mean sync interval of the lazy layers (steps); default DEFAULT_TAU",
+             "pattern": "as for ssgd"},
     "compressed": {"collective=ps": "MXNet-style parameter server (push compressed, pull fp32 weights)",
                    "ps_servers": "server count for collective=ps (default: one per worker)"},
     "cpsgd": {"collective=ps": "as for compressed", "ps_servers": "as for compressed",
@@ -102,25 +105,23 @@ class _Step:
         self.g = Graph()
         shares = prof.codec_shares_compute if cluster.codec_shares_compute is None else cluster.codec_shares_compute
         self.codec_res = "compute" if shares else "codec"
-        self.bytes = 0.0
-        self.compute_work = 0.0
-        self.codec_work = 0.0
+        self.wire: dict[int, float] = {}          # task -> bytes this worker sends
+        self.codec_tasks: set[int] = set()
         self.sized = prof.sized_params()
 
     # -- primitives -----------------------------------------------------------------------
     def compute(self, name: str, seconds: float, deps, priority: int = 1) -> int:
-        s = seconds * self.c.compute_scale
-        self.compute_work += s
-        return self.g.add(name, "compute", s, deps, priority)
+        return self.g.add(name, "compute", seconds * self.c.compute_scale, deps, priority)
 
     def codec(self, name: str, seconds: float, deps) -> int:
-        s = seconds * self.c.compute_scale
-        self.codec_work += s
-        return self.g.add(name, self.codec_res, s, deps, priority=0)
+        t = self.g.add(name, self.codec_res, seconds * self.c.compute_scale, deps, priority=0)
+        self.codec_tasks.add(t)
+        return t
 
     def comm(self, name: str, seconds: float, wire_bytes: float, deps) -> int:
-        self.bytes += wire_bytes
-        return self.g.add(name, "net", seconds, deps)
+        t = self.g.add(name, "net", seconds, deps)
+        self.wire[t] = wire_bytes
+        return t
 
     def allreduce(self, name: str, nbytes: float, deps) -> int:
         from ..collectives.wire import allreduce_bytes
@@ -225,6 +226,8 @@ def _noop(st: _Step, o: dict, steps: int) -> list[int]:
 def _ssgd(st: _Step, o: dict, steps: int) -> list[int]:
     """Bucketed all-reduce (gradients + one flag per parameter) launched during backward
     (``overlap=False``: after backward); the optimizer waits for every bucket."""
+    if o.get("pattern", "bucketed") == "pcnn":
+        return _pcnn(st, o, steps, lazy_mode=False)
     groups = st.buckets(range(len(st.p.params)), o.get("bucket_mb", 1.0))
     overlap = o.get("overlap", True)
     ends, prev = [], None
@@ -395,12 +398,69 @@ def lazy_split(prof: Profile, lazy_layers: Optional[int]) -> tuple[list[int], li
     return lazy, probe
 
 
+def _pcnn(st: _Step, o: dict, steps: int, lazy_mode: bool) -> list[int]:
+    """PCNN's pattern (the lazy update paper's code, ALGORITHMS.md B.2.3): per layer, an
+    all-to-all (reduce-scatter) of its gradient launched when ready, overlapped with the rest
+    of backward; each rank updates its 1/N shard; an all-gather of the updated shards overlapped
+    with the next forward, which waits for it layer by layer. Normalisation parameters are not
+    communicated (PCNN trains them locally). With ``lazy_mode`` the lazy layers skip both and,
+    every ``tau`` steps, join one fused all-reduce after backward; their next forward waits for
+    it and their update. Forward time is shared out over the layers like backward time (the
+    fully connected layer's activation exchange of PCNN is not modelled)."""
+    prof = st.p
+    params = prof.params
+    modules: list[str] = []
+    for prm in params:
+        if prm.module not in modules:
+            modules.append(prm.module)
+    members = {m: [i for i, prm in enumerate(params) if prm.module == m] for m in modules}
+    bwd_of = dict(zip(prof.ready_order, prof.backward_s))
+    total_bwd = sum(prof.backward_s) or 1.0
+    fwd = {m: prof.forward_s * sum(bwd_of[i] for i in members[m]) / total_bwd for m in modules}
+    lazy, probe = lazy_split(prof, o.get("lazy_layers")) if lazy_mode else ([], [])
+    lazy_set = set(lazy)
+    comm_mods = [m for m in modules if any(not params[i].norm and i not in lazy_set for i in members[m])]
+    lazy_mods = [m for m in modules if any(i in lazy_set for i in members[m])]
+    tau = float(o.get("tau", DEFAULT_TAU))
+    fused = st.nbytes(lazy) + st.nbytes(probe)
+    grad_bytes = float(prof.gradient_bytes) or 1.0
+    gathered: dict[str, int] = {}       # module -> all-gather (or lazy update) the next forward waits for
+    ends, prev_end = [], None
+    for s in range(steps):
+        prev = prev_end
+        for m in modules:
+            prev = st.compute(f"s{s}/forward/{m}", fwd[m], [prev, gathered.get(m)])
+        ready = {}
+        for i, dt in zip(prof.ready_order, prof.backward_s):
+            prev = st.compute(f"s{s}/backward/{params[i].name}", dt, [prev])
+            ready[i] = prev
+        b = st.compute(f"s{s}/backward/tail", prof.backward_tail_s, [prev])
+        gathered = {}
+        launch_order = sorted(comm_mods, key=lambda m: max(prof.ready_order.index(i) for i in members[m]))
+        for m in launch_order:
+            idx = [i for i in members[m] if not params[i].norm]
+            nb = st.nbytes(idx)
+            a2a = st.alltoall(f"s{s}/{m}/all_to_all", nb, [ready[i] for i in idx])
+            upd = st.compute(f"s{s}/{m}/shard update", prof.optimizer_s * nb / grad_bytes / st.N, [a2a], priority=0)
+            gathered[m] = st.allgather(f"s{s}/{m}/all_gather", nb / st.N, [upd])
+        if lazy_mods and math.floor((s + 1) / tau) > math.floor(s / tau):
+            sync = st.allreduce(f"s{s}/lazy sync", fused, [b])
+            upd = st.compute(f"s{s}/lazy update", prof.optimizer_s * st.nbytes(lazy) / grad_bytes, [sync], priority=0)
+            for m in lazy_mods:
+                gathered[m] = upd
+        prev_end = b
+        ends.append(b)
+    return ends
+
+
 def _lazy(st: _Step, o: dict, steps: int) -> list[int]:
     """Regular parameters: S-SGD's bucketed all-reduce overlapped with backward. Lazy
     parameters: no communication except on sync steps (every ``tau`` steps), where one fused
     all-reduce of their accumulators plus the probe layer's latest gradient is launched in
     ``step()`` after backward, behind the regular buckets; the optimizer waits for it. Sync
     steps are spread evenly at the mean interval ``tau``."""
+    if o.get("pattern", "bucketed") == "pcnn":
+        return _pcnn(st, o, steps, lazy_mode=True)
     lazy, probe = lazy_split(st.p, o.get("lazy_layers"))
     regular = [i for i in range(len(st.p.params)) if i not in set(lazy)]
     groups = st.buckets(regular, o.get("bucket_mb", 1.0))
@@ -460,7 +520,7 @@ MODELS: dict[str, AlgorithmModel] = {
                                    "3 all-reduces after backward; matmul cost approximated by lowband's powersgd codec"),
     "compressed": AlgorithmModel(_compressed, _one,
                                  "steady state after warm-up; codec chain on one background thread; fp32 1-D buckets"),
-    "cpsgd": AlgorithmModel(_cpsgd, lambda o: float(o.get("correction_period") or 1), "depth-1 pipeline, burst or spread "
+    "cpsgd": AlgorithmModel(_cpsgd, lambda o: float(o.get("correction_period", 5) or 1), "depth-1 pipeline, burst or spread "
                             "correction; local update cost as a multiple of the optimizer step"),
     "lazy": AlgorithmModel(_lazy, lambda o: float(o.get("tau", DEFAULT_TAU)),
                            "regular buckets overlapped; lazy fused all-reduce every tau steps (tau given)"),
@@ -490,7 +550,16 @@ def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], c
     st.g.run()
     t = [st.g.tasks[e].end for e in ends]
     step = (t[-1] - t[lead - 1]) / measured
-    per = 1.0 / (lead + measured)
-    # compute/codec/net per step: totals over the simulated steps / step count
-    return StepEstimate(algorithm, cluster.workers, step, st.compute_work * per, st.codec_work * per,
-                        st.g.busy_time("net") * per, st.bytes * per)
+    # work per step: totals over the tasks of the measured steps (task names start "s<step>/")
+    compute = codec = net = sent = 0.0
+    for i, task in enumerate(st.g.tasks):
+        if lead <= int(task.name[1:task.name.index("/")]) < lead + measured:
+            if i in st.codec_tasks:
+                codec += task.duration
+            elif task.resource == "compute":
+                compute += task.duration
+            elif task.resource == "net":
+                net += task.duration
+                sent += st.wire.get(i, 0.0)
+    return StepEstimate(algorithm, cluster.workers, step, compute / measured, codec / measured, net / measured,
+                        sent / measured)
