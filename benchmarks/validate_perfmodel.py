@@ -69,13 +69,54 @@ def load_average() -> str:
 
 # -- run -------------------------------------------------------------------------------------
 
+PROBE_PORT = "29519"   # free in rank 0's fresh namespace
+
+
+def probe_worker(size: int, iters: int) -> None:
+    """One rank of the probe: time ``iters`` all_reduces of ``size`` bytes, wall and CPU."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(16))
+    walls, cpus = [], []
+    for _ in range(iters):
+        t = torch.ones(max(1, size // 4))
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        dist.all_reduce(t)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    print(json.dumps({"walls": walls, "cpus": cpus}), flush=True)
+    dist.destroy_process_group()
+
+
+def probe_allreduce(link: str, world: int, size: int, iters: int) -> dict:
+    from lowband.netem import EmulatedCluster, parse_rate
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
+    with EmulatedCluster(world, parse_rate(link)) as c:
+        procs = [subprocess.Popen(c.worker_prefix(r) + [sys.executable, __file__, "probe-worker", str(size), str(iters)],
+                                  env={**env, **c.worker_env(r), "RANK": str(r), "WORLD_SIZE": str(world),
+                                       "MASTER_PORT": PROBE_PORT, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                                  stdout=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    wall = statistics.median(max(o["walls"][i] for o in outs) for i in range(iters))
+    cpu = statistics.median(statistics.mean(o["cpus"][i] for o in outs) for i in range(iters))
+    return {"wall_s": wall, "cpu_s": cpu}
+
+
 def probe(link: str, world: int) -> dict:
-    """Per-message latency and bulk efficiency of the emulated link (benchmarks/netem_link.py)."""
-    import netem_link
-    small = netem_link.measure(link, world, 64, 40, None, "50ms")
-    big = netem_link.measure(link, world, 4 << 20, 3, None, "50ms")
-    return {"latency_s": small["median_s"] / (2 * (world - 1)), "efficiency": min(1.0, big["ratio"] or 1.0),
-            "small_allreduce_s": small["median_s"], "big_allreduce": big}
+    """Per-message latency, bulk efficiency and gloo's CPU seconds per byte on the emulated link."""
+    from lowband.collectives.wire import allreduce_bytes
+    from lowband.netem import parse_rate
+    small = probe_allreduce(link, world, 64, 40)
+    big_size = 4 << 20
+    big = probe_allreduce(link, world, big_size, 4)
+    wire = allreduce_bytes(big_size, world)
+    return {"latency_s": small["wall_s"] / (2 * (world - 1)),
+            "efficiency": min(1.0, wire * 8 / big["wall_s"] / parse_rate(link)),
+            "cpu_s_per_byte": big["cpu_s"] / wire, "small": small, "big": big}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -150,7 +191,8 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict]) -> None:
             steps = steady_steps(run_dir, name, cycle)
         mean = statistics.mean(s["step_s"] for s in steps)
         med = statistics.median(s["step_s"] for s in steps)
-        est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale))
+        est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
+                                                    comm_cpu_s_per_byte=pr.get("cpu_s_per_byte", 0.0)))
         # without the noop calibration: contention assumed = workers per core (at least 1)
         raw = estimate(profile, name, opts, Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
         rows_out.append({
@@ -159,6 +201,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict]) -> None:
             "predicted_exposed_ms": 1e3 * est.exposed_s, "predicted_mb": est.bytes_sent / 1e6,
             "measured_mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6, "scale": scale,
             "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"], "note": extra,
+            "cpu_ns_per_byte": 1e9 * pr.get("cpu_s_per_byte", 0.0),
             "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
             "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * raw.step_s})
 
@@ -231,6 +274,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default="cnn-2core")
     p.add_argument("--doc", default=None)
     p.add_argument("--section", default="perfmodel-validation")
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-worker":
+        probe_worker(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
     args = ap.parse_args(argv)
     return cmd_run(args) if args.cmd == "run" else cmd_report(args)
 

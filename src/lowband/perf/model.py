@@ -61,18 +61,26 @@ class Cluster:
         compute_scale: multiplies every compute and codec time of the profile (CPU contention:
             4 workers on 2 cores run each step ~2x slower; measure it with a compute-only run).
         codec_shares_compute: override the profile's ``codec_shares_compute``.
+        comm_cpu_s_per_byte: CPU seconds the communication library spends per byte a worker
+            sends (copies, reductions, TCP). When > 0, every collective also puts that much
+            work (times ``compute_scale``) on the ``compute`` resource while it runs: on a
+            machine with no spare core it competes with forward and backward. 0 (default):
+            communication costs no compute (a NIC/GPU with its own engine).
     """
 
     workers: int
     network: Network
     compute_scale: float = 1.0
     codec_shares_compute: Optional[bool] = None
+    comm_cpu_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if not self.compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {self.compute_scale}")
+        if self.comm_cpu_s_per_byte < 0:
+            raise ValueError(f"comm_cpu_s_per_byte must be >= 0, got {self.comm_cpu_s_per_byte}")
 
 
 @dataclass
@@ -107,6 +115,7 @@ class _Step:
         self.codec_res = "compute" if shares else "codec"
         self.wire: dict[int, float] = {}          # task -> bytes this worker sends
         self.codec_tasks: set[int] = set()
+        self.comm_cpu_tasks: set[int] = set()
         self.sized = prof.sized_params()
 
     # -- primitives -----------------------------------------------------------------------
@@ -119,8 +128,13 @@ class _Step:
         return t
 
     def comm(self, name: str, seconds: float, wire_bytes: float, deps) -> int:
+        deps = list(deps)
         t = self.g.add(name, "net", seconds, deps)
         self.wire[t] = wire_bytes
+        if self.c.comm_cpu_s_per_byte > 0 and wire_bytes > 0:
+            self.comm_cpu_tasks.add(self.g.add(name + "/cpu", "compute",
+                                               wire_bytes * self.c.comm_cpu_s_per_byte * self.c.compute_scale,
+                                               deps, priority=0))
         return t
 
     def allreduce(self, name: str, nbytes: float, deps) -> int:
@@ -556,6 +570,8 @@ def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], c
         if lead <= int(task.name[1:task.name.index("/")]) < lead + measured:
             if i in st.codec_tasks:
                 codec += task.duration
+            elif i in st.comm_cpu_tasks:
+                continue
             elif task.resource == "compute":
                 compute += task.duration
             elif task.resource == "net":
