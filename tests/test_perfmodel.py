@@ -258,3 +258,13 @@ def test_every_registry_algorithm_has_a_model():
     assert set(ALGORITHMS) <= set(MODELS)
     assert all(math.isfinite(estimate(load_profile("cnn-2core"), a, {}, Cluster(2, Network(GBIT))).step_s)
                for a in ALGORITHMS)
+
+
+def test_communication_cpu_cost_competes_with_compute_only_when_given():
+    prof = make_profile([200_000, 200_000], [0.01, 0.01])
+    net = Network(1 * GBIT, 1e-5)
+    free = estimate(prof, "ssgd", {}, Cluster(4, net))
+    busy = estimate(prof, "ssgd", {}, Cluster(4, net, comm_cpu_s_per_byte=2e-9))
+    assert busy.step_s > free.step_s
+    assert busy.step_s <= free.step_s + 2e-9 * busy.bytes_sent + 1e-12   # at most all of it exposed
+    assert busy.bytes_sent == pytest.approx(free.bytes_sent)

@@ -97,7 +97,10 @@ def format_rows(rows: Sequence[PlanRow]) -> str:
     return "\n".join(lines)
 
 
-def plot_speedup(rows: Sequence[PlanRow], path: str, title: str = "") -> None:
+def plot_speedup(rows: Sequence[PlanRow], path: str, title: str = "",
+                 marks: Sequence[tuple[float, float, str]] = ()) -> None:
+    """Speedup against workers per algorithm; ``marks``: extra (workers, speedup, label)
+    points, e.g. a paper's published figures."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -109,6 +112,9 @@ def plot_speedup(rows: Sequence[PlanRow], path: str, title: str = "") -> None:
     for i, lab in enumerate(labels):
         sel = sorted((r for r in rows if r.label == lab), key=lambda r: r.workers)
         ax.plot([r.workers for r in sel], [r.speedup for r in sel], marker="o", color=f"C{i}", label=lab)
+    for x, y, lab in marks:
+        ax.plot([x], [y], marker="x", color="k", markersize=9, linestyle="none")
+        ax.annotate(lab, (x, y), textcoords="offset points", xytext=(-8, 6), ha="right", fontsize=7)
     if len(ns) > 1 and ns[-1] / max(1, ns[0]) >= 16:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
