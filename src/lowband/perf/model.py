@@ -361,7 +361,14 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
     update; step t+1's forward waits only for that. Correction ``burst`` (lowband today):
     every k-th step all buckets fp32; ``spread``: every step 1/k of each bucket's elements
     fp32 and the rest compressed."""
-    groups = st.buckets(range(len(st.p.params)), o.get("bucket_mb", 1.0))
+    params = st.p.params
+    # today's cpsgd compresses every parameter; a ``compress_vectors=False`` field (as in
+    # ``compressed``) sends 1-D parameters exact, through the same background queue
+    exact_vectors = not o.get("compress_vectors", True)
+    dense = [i for i in range(len(params)) if not exact_vectors or len(params[i].shape) > 1]
+    vectors = sorted(set(range(len(params))) - set(dense))
+    groups = st.buckets(dense, o.get("bucket_mb", 1.0))
+    vgroups = st.buckets(vectors, o.get("bucket_mb", 1.0))
     collective, codec_name = o.get("collective", "two-stage"), o.get("compressor", "2bit")
     k = o.get("correction_period", 5)
     mode = o.get("correction", "burst")
@@ -387,6 +394,10 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
             else:
                 bg = _compressed_chain(st, tag, nb, segs, collective, codec_name, snap, bg if serial else None,
                                        o.get("ps_servers"))
+            done.append(bg)
+        for j, launch in enumerate(st.launches(s, vgroups, ready)):
+            bg = _fp32_chain(st, f"s{s}/vectors{j}", st.nbytes(vgroups[j]), collective, launch,
+                             bg if serial else None, o.get("ps_servers"))
             done.append(bg)
         apply = st.compute(f"s{s}/global optimizer", st.p.optimizer_s, [b, *in_flight])
         prev = st.compute(f"s{s}/local update", local_cost, [apply])
@@ -546,13 +557,31 @@ MODELS: dict[str, AlgorithmModel] = {
 }
 
 
+def algorithm_defaults(name: str) -> dict[str, Any]:
+    """The knobs' defaults of the registry's algorithm ``name`` (empty when it has none), so
+    the model follows the code's defaults (bucket size, correction period, correction kind...)."""
+    import dataclasses
+    from ..algorithms import ALGORITHMS
+    cls = ALGORITHMS.get(name)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster,
              cycles: int = 2, max_steps: int = 400) -> StepEstimate:
     """Steady-state mean step time of ``algorithm`` on ``cluster``: simulate a lead-in of
-    whole cycles, then ``cycles`` more, and average the steps of the last cycles."""
+    whole cycles, then ``cycles`` more, and average the steps of the last cycles. Knobs not
+    in ``options`` take the registry algorithm's defaults."""
     if algorithm not in MODELS:
         raise ValueError(f"no performance model for algorithm {algorithm!r}; modelled: {', '.join(sorted(MODELS))}")
-    o = dict(options or {})
+    o = {**algorithm_defaults(algorithm), **(options or {})}
     m = MODELS[algorithm]
     cycle = max(1, int(math.ceil(m.cycle(o))))
     lead = max(2, cycle)
