@@ -268,3 +268,15 @@ def test_communication_cpu_cost_competes_with_compute_only_when_given():
     assert busy.step_s > free.step_s
     assert busy.step_s <= free.step_s + 2e-9 * busy.bytes_sent + 1e-12   # at most all of it exposed
     assert busy.bytes_sent == pytest.approx(free.bytes_sent)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "vgg99", "--out", "x.json"], "unknown model 'vgg99'"),
+    (["--model", "cnn", "--out", "x.json", "--codecs", "3bit"], "unknown compressor(s) ['3bit']"),
+    (["--model", "cnn"], "the following arguments are required: --out"),
+])
+def test_profile_cli_bad_input_is_one_line(args, expected, capsys, tmp_path):
+    from lowband.cli import main
+    rc = main(["profile", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and expected in err[0], err
