@@ -151,6 +151,15 @@ def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
     return window[-keep:]
 
 
+def robust_step(steps: list[dict], cycle: int) -> float:
+    """Median over consecutive blocks of ``cycle`` steps of each block's mean step time. Any
+    ``cycle`` consecutive steps hold exactly one periodic step (a CP-SGD correction, a local-SGD
+    average), so every block mean is a fair sample of the mean step, and the median discards
+    blocks hit by a load spike of the shared machine."""
+    blocks = [steps[i:i + cycle] for i in range(0, len(steps) - cycle + 1, cycle)] or [steps]
+    return statistics.median(statistics.mean(s["step_s"] for s in b) for b in blocks)
+
+
 def measured_tau(steps: list[dict]) -> tuple[float, int]:
     """Sync interval from the bytes per step: sync steps send the lazy layers' accumulators."""
     low = min(s["bytes_sent"] for s in steps)
@@ -158,7 +167,7 @@ def measured_tau(steps: list[dict]) -> tuple[float, int]:
     return (len(steps) / syncs if syncs else float(len(steps))), syncs
 
 
-def predict_pair(group_dir: str, profile, rows_out: list[dict]) -> None:
+def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None) -> None:
     from lowband.perf.model import MODELS, Cluster, estimate
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
@@ -170,11 +179,13 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict]) -> None:
         results = json.load(f)
     rate, world = parse_rate(meta["link"]), meta["workers"]
     pr = meta["probe"]
+    if latency_s is not None:
+        pr = {**pr, "latency_s": latency_s}
     network = Network(rate, pr["latency_s"], pr["efficiency"])
     runs = {row["algorithm"]: os.path.join(group_dir, "runs", f"{meta['link']}-{world}w-{row['algorithm'].replace(':', '-')}")
             for row in results["rows"]}
     noop_steps = steady_steps(runs["noop"], "noop", 1)
-    noop_s = statistics.mean(s["step_s"] for s in noop_steps)
+    noop_s = robust_step(noop_steps, 1)
     scale = noop_s / profile.compute_s
     for spec, run_dir in runs.items():
         name, opts = parse_algorithm(spec)
@@ -189,15 +200,16 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict]) -> None:
             extra = f"tau {tau:.1f} ({syncs} syncs in {len(steps)} steps)"
             cycle = max(1, int(math.ceil(tau)))
             steps = steady_steps(run_dir, name, cycle)
+        # lazy: tau varies within the run, so its blocks would not hold one sync each: plain mean
+        robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
         mean = statistics.mean(s["step_s"] for s in steps)
-        med = statistics.median(s["step_s"] for s in steps)
         est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
                                                     comm_cpu_s_per_byte=pr.get("cpu_s_per_byte", 0.0)))
         # without the noop calibration: contention assumed = workers per core (at least 1)
         raw = estimate(profile, name, opts, Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
         rows_out.append({
-            "link": meta["link"], "workers": world, "algorithm": spec, "measured_ms": 1e3 * mean,
-            "median_ms": 1e3 * med, "predicted_ms": 1e3 * est.step_s, "error": est.step_s / mean - 1,
+            "link": meta["link"], "workers": world, "algorithm": spec, "measured_ms": 1e3 * robust,
+            "mean_ms": 1e3 * mean, "predicted_ms": 1e3 * est.step_s, "error": est.step_s / robust - 1,
             "predicted_exposed_ms": 1e3 * est.exposed_s, "predicted_mb": est.bytes_sent / 1e6,
             "measured_mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6, "scale": scale,
             "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"], "note": extra,
@@ -215,27 +227,31 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         f"`{rows[0]['command']}` if rows else ''.",
         f"Regenerate: `python benchmarks/validate_perfmodel.py report --out DIR --profile {profile_name} --doc docs/results.md`.",
         "",
-        f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = mean step of the run's "
-        "steady steps (steps.jsonl); predicted = the model with the link probe's latency and efficiency and the "
-        "compute scale from the same run's `noop`; error = predicted / measured - 1; load = 1-minute load "
-        "average before / after the run (the machine was shared).",
+        f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = the run's steady steps "
+        "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd, the "
+        "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
+        "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency "
+        "and gloo CPU cost per byte and the compute scale from the noop run just before; error = predicted / "
+        "measured - 1; load = load averages before / after the pair (the machine was shared).",
         "",
-        "| link | workers | algorithm | measured ms | median ms | predicted ms | error | predicted exposed ms | "
-        "MB/step measured | MB/step predicted | compute scale | latency us | link eff. | load | note |",
-        "|" + "---|" * 15,
+        "| link | workers | algorithm | measured ms | mean ms | predicted ms | error | predicted exposed ms | "
+        "MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | load | note |",
+        "|" + "---|" * 16,
     ]
     for r in rows:
         flag = "" if abs(r["error"]) <= TARGET else " **miss**"
         lines.append(
-            f"| {r['link']} | {r['workers']} | {r['algorithm']} | {r['measured_ms']:.1f} | {r['median_ms']:.1f} | "
+            f"| {r['link']} | {r['workers']} | {r['algorithm']} | {r['measured_ms']:.1f} | {r['mean_ms']:.1f} | "
             f"{r['predicted_ms']:.1f} | {r['error']:+.1%}{flag} | {r['predicted_exposed_ms']:.1f} | "
             f"{r['measured_mb']:.3f} | {r['predicted_mb']:.3f} | {r['scale']:.2f} | {r['latency_us']:.0f} | "
-            f"{r['efficiency']:.2f} | {r['load']} | {r['note']} |")
+            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r['load'].split(' / ')[0].split()[0]} / "
+            f"{r['load'].split(' / ')[1].split()[0]} | {r['note']} |")
     return "\n".join(lines)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from lowband.perf.profile import load_profile
+    from lowband.perf.network import parse_latency
     from lowband.report import update_doc
 
     profile = load_profile(args.profile)
@@ -246,7 +262,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     for g in groups:
         for pair in sorted(glob.glob(os.path.join(g, "*")), key=lambda d: ALGO_ORDER.get(os.path.basename(d), 99)):
             if os.path.exists(os.path.join(pair, "validation-run.json")) and os.path.exists(os.path.join(pair, "results.json")):
-                predict_pair(pair, profile, rows)
+                predict_pair(pair, profile, rows, None if args.latency is None else parse_latency(args.latency))
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
         return 2
@@ -274,6 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default="cnn-2core")
     p.add_argument("--doc", default=None)
     p.add_argument("--section", default="perfmodel-validation")
+    p.add_argument("--latency", default=None, help="use this per-message latency (e.g. 100us) instead of the probe's")
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-worker":
         probe_worker(int(sys.argv[2]), int(sys.argv[3]))
         return 0
