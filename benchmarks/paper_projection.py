@@ -137,18 +137,18 @@ def main(argv=None) -> int:
         os.makedirs(args.plots, exist_ok=True)
         v100 = load_profile("resnet50-v100").scaled(64)
         rows = run_plan(v100, ["ssgd", "compressed:collective=ps:compress_vectors=True", "cpsgd:collective=ps",
-                               "compressed", "cpsgd"], [1, 8, 16, 32], Network(56 * GBIT, 5e-6))
+                               "compressed", "cpsgd"], [8, 16, 32], Network(56 * GBIT, 5e-6))
         plot_speedup(rows, os.path.join(args.plots, "cpsgd-v100-56gbit.png"),
                      "ResNet-50, V100 profile (batch 64), 56 Gbit/s, 5 us")
         v32 = load_profile("resnet50-v100").scaled(32)
         rows = run_plan(v32, ["ssgd", "compressed:collective=ps:compress_vectors=True", "cpsgd:collective=ps",
-                              "compressed", "cpsgd"], [1, 8, 16, 32], Network(56 * GBIT, 5e-6))
+                              "compressed", "cpsgd"], [8, 16, 32], Network(56 * GBIT, 5e-6))
         plot_speedup(rows, os.path.join(args.plots, "cpsgd-v100-56gbit-batch32.png"),
                      "ResNet-50, V100 profile (batch 32), 56 Gbit/s, 5 us")
         knl = load_profile("resnet50-knl")
         rows = run_plan(knl, ["ssgd", "lazy:tau=4", "ssgd:pattern=pcnn", "lazy:tau=4:pattern=pcnn",
                               "lazy:tau=4:pattern=pcnn:lazy_layers=32"],
-                        [1, 8, 64, 256, 512, 1024, 2048], Network(64 * GBIT, 10e-6))
+                        [8, 64, 256, 512, 1024, 2048], Network(64 * GBIT, 10e-6))
         plot_speedup(rows, os.path.join(args.plots, "lazy-knl-aries.png"),
                      "ResNet-50, KNL profile (batch 16), 64 Gbit/s, 10 us",
                      marks=[(2048, 276.6, "paper S-SGD 276.6"), (2048, 739.6, "paper lazy 739.6")])
