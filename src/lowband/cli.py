@@ -204,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--efficiency", type=float, default=1.0,
                     help="achieved fraction of the link rate for bulk transfers (default: %(default)s)")
     pl.add_argument("--algorithms", default="ssgd,compressed,cpsgd,lazy",
-                    help="comma-separated NAME[:KEY=VALUE...] (default: %(default)s)")
+                    help="comma-separated NAME[:KEY=VALUE...] with the algorithms' own knobs plus the model's "
+                         "what-ifs: lazy:tau=T, ssgd|lazy:pattern=pcnn, compressed|cpsgd:collective=ps, "
+                         "cpsgd:correction=spread|burst (default: %(default)s)")
     pl.add_argument("--batch-size", type=int, default=None, help="per-worker batch (compute scaled linearly from the profile's)")
     pl.add_argument("--compute-scale", type=float, default=1.0,
                     help="multiply the profile's compute and codec times, e.g. for CPU contention (default: %(default)s)")
