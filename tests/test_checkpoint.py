@@ -125,3 +125,72 @@ def test_checkpoint_files_hold_only_weights_only_types(reference):
     for r in range(2):
         path = os.path.join(reference("ssgd"), checkpoint.DIRNAME, manifest["dir"], checkpoint.rank_file(r))
         torch.load(path, weights_only=True)      # raises on anything but tensors / plain data
+
+
+def _copy_run(src: str, dst: str) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _snapshot(run_dir: str) -> dict[str, tuple[int, int]]:
+    return {os.path.join(d, f): (os.stat(os.path.join(d, f)).st_mtime_ns, os.path.getsize(os.path.join(d, f)))
+            for d, _, files in os.walk(run_dir) for f in files}
+
+
+def test_a_checkpoint_with_flipped_bits_is_refused_naming_the_file(reference, tmp_path, capsys):
+    """64 flipped bits inside rank 1's file (torch.load would load them silently): resume is
+    one line naming the file, exit 2, and nothing in the run directory changes."""
+    run_dir = _copy_run(reference("ssgd"), str(tmp_path / "run"))
+    manifest = checkpoint.read_manifest(run_dir)
+    path = checkpoint.file_path(run_dir, manifest, 1)
+    data = bytearray(open(path, "rb").read())
+    middle = len(data) // 2
+    for i in range(8):
+        data[middle + i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    before = _snapshot(run_dir)
+    assert cli_main(["train", *FLAGS, "--algorithm", "ssgd", "--resume", run_dir]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"lowband: error: checkpoint file {path} is corrupted: its SHA-256 differs from the one "
+                   "recorded in the manifest when it was written"]
+    assert _snapshot(run_dir) == before
+    # a worker started some other way (torchrun) refuses it too
+    with pytest.raises(checkpoint.CheckpointError, match="rank1.pt is corrupted"):
+        checkpoint.load(run_dir, 1, 2)
+    checkpoint.load(run_dir, 0, 2)            # the intact file still loads
+
+
+def test_an_edited_manifest_is_refused(reference, tmp_path, capsys):
+    run_dir = _copy_run(reference("ssgd"), str(tmp_path / "run"))
+    path = checkpoint.manifest_path(run_dir)
+    manifest = json.load(open(path))
+    manifest["step_in_epoch"] += 1
+    open(path, "w").write(json.dumps(manifest))
+    assert cli_main(["train", *FLAGS, "--algorithm", "ssgd", "--resume", run_dir]) == 2
+    assert f"checkpoint manifest {path} is corrupted" in capsys.readouterr().err
+
+
+def test_ranks_that_load_different_weights_refuse_to_train(reference, tmp_path):
+    """A checkpoint whose files are intact but hold different replicated weights (saved
+    wrong; the SHA-256 cannot tell): every worker stops after loading, naming the parameter."""
+    import io
+    run_dir = _copy_run(reference("ssgd"), str(tmp_path / "run"))
+    manifest = checkpoint.read_manifest(run_dir)
+    path = checkpoint.file_path(run_dir, manifest, 1)
+    state = torch.load(path, weights_only=True)
+    name = next(iter(state["model"]))
+    state["model"][name].view(-1)[0] += 1e-3
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    open(path, "wb").write(buf.getvalue())
+    manifest["sha256"][checkpoint.rank_file(1)] = checkpoint.sha256(buf.getvalue())
+    manifest["manifest_sha256"] = checkpoint._manifest_digest(manifest)
+    open(checkpoint.manifest_path(run_dir), "w").write(json.dumps(manifest))
+    resumed = train([*FLAGS, "--algorithm", "ssgd", "--resume", run_dir, "--max-steps", str(TOTAL + 4)])
+    assert resumed.returncode == 1, resumed.stderr
+    for rank in range(2):
+        assert f"lowband worker rank {rank}: error: after loading the checkpoint of step {TOTAL}, ranks hold " \
+               f"different values of parameter {name!r}" in resumed.stderr, resumed.stderr
+    assert "Traceback" not in resumed.stderr
+    assert [r["step"] for r in read_jsonl(os.path.join(run_dir, "steps.jsonl"))][-1] == TOTAL   # no step taken

@@ -7,6 +7,10 @@ the engine has every rank publish a small digest per *field* (algorithm configur
 parameter layout, world layout, ...) with one ``all_gather_object``. Every rank then compares
 the same gathered table and therefore raises the same :class:`ConfigMismatchError`, naming
 the first differing field and which ranks hold which variant.
+
+:func:`check_replicas` does the same for *state* that must be identical on every rank (the
+global weights and, where the algorithm replicates it, the optimizer state), checked after a
+checkpoint is loaded: a cheap all-reduced digest per tensor, never the tensors themselves.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import hashlib
 import json
 from typing import Any, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 #: hex characters kept of each SHA-256 field digest (64 bits: collisions are not a concern
@@ -94,3 +99,56 @@ def check_agreement(fields: Mapping[str, Any], group: Optional[dist.ProcessGroup
             dist.all_gather_object(full, list(fields) if name == "fields" else fields.get(name, "<absent>"),
                                    group=group)
             raise ConfigMismatchError(name, describe_difference(full))
+
+
+# -- replicated state -------------------------------------------------------------------------
+#: digest of "nothing here" (a slot a rank does not check); real digests are in [1, 2**63)
+ABSENT = 0
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Ranks hold different values of state that must be replicated (raised on every rank)."""
+
+    def __init__(self, what: str, detail: str):
+        self.what = what
+        super().__init__(f"ranks hold different {what}: {detail}")
+
+
+def state_digest(*values: Any) -> int:
+    """A 63-bit digest of tensors (dtype, shape and bytes) and plain values, >= 1."""
+    h = hashlib.sha256()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{list(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        else:
+            h.update(canonical(v).encode())
+    return int.from_bytes(h.digest()[:8], "big") % (2 ** 63 - 1) + 1
+
+
+def check_replicas(slots: list[tuple[str, int]], comm: Any) -> None:
+    """Raise :class:`ReplicaMismatchError` on every rank unless all ranks hold the same digest
+    in every slot. ``slots`` is (what, digest) per slot, the same number of slots on every rank
+    (a rank that does not check a slot passes :data:`ABSENT`). Collective over ``comm`` (a
+    :class:`~lowband.collectives.communicator.Communicator`): one MAX all-reduce of 2 int64 per
+    slot (max and -min); only on a mismatch, one all-gather of the first differing slot to say
+    which ranks hold which digest."""
+    if comm.world_size == 1 or not slots:
+        return
+    d = torch.tensor([s for _, s in slots], dtype=torch.int64)
+    both = torch.cat([d, -d])
+    comm.all_reduce(both, op=dist.ReduceOp.MAX)
+    n = len(slots)
+    differ = (both[:n] != -both[n:]).nonzero().flatten().tolist()
+    if not differ:
+        return
+    first = differ[0]
+    per_rank: list[Any] = [None] * comm.world_size
+    dist.all_gather_object(per_rank, int(d[first]), group=comm.group)
+    groups: dict[str, list[int]] = {}
+    for rank, v in enumerate(per_rank):
+        groups.setdefault("not checked" if v == ABSENT else f"digest {v:016x}", []).append(rank)
+    more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+    raise ReplicaMismatchError(slots[first][0] + more,
+                               "; ".join(f"{label} on {_ranks(ranks)}" for label, ranks in groups.items()))

@@ -92,7 +92,7 @@ def run_on_link(cfg: TrainConfig, rate_bits: Optional[int]) -> dict[str, Any]:
 
 def _accounting(cfg: TrainConfig, link: Optional[tuple[int, int]]) -> dict[str, Any]:
     ranks = rank_stats(cfg.run_dir, cfg.workers)
-    sent = sum(s["bytes_sent"] + s.get("guard_bytes_sent", 0) for s in ranks)
+    sent = sum(s["bytes_sent"] + s.get("guard_bytes_sent", 0) + s.get("aux_bytes_sent", 0) for s in ranks)
     row: dict[str, Any] = {"lowband_bytes_sent_all_ranks": sent,
                            "payload_bytes_all_ranks": sum(s["payload_bytes"] for s in ranks)}
     if link is not None:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from . import __version__
 from .algorithms import ALGORITHMS, make_algorithm
-from .checkpoint import CheckpointError, check_resumable, read_manifest
+from .checkpoint import CheckpointError, check_resumable, read_manifest, verify
 from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from .data import DATASETS, DatasetError, load_dataset
 from .guard import NONFINITE_POLICIES
@@ -68,6 +68,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nonfinite", default=d.nonfinite, choices=NONFINITE_POLICIES,
                    help="when any rank's gradient has a NaN/Inf: raise on every rank, skip the step on "
                         "every rank, or off (no check) (default: %(default)s)")
+    p.add_argument("--max-skips", type=int, default=d.max_consecutive_skips, dest="max_consecutive_skips",
+                   metavar="N", help="with --nonfinite skip: after N consecutive skipped steps, the next "
+                                     "non-finite one stops every rank with an error (default: %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="STEPS",
                    help="write a crash-safe checkpoint every STEPS steps and at the end (default: 0, never)")
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
@@ -113,7 +116,8 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
         weight_decay=args.weight_decay, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
         seed=args.seed, threads=args.threads, run_dir=run_dir, timeout_s=args.timeout_s,
-        progress=args.progress, nonfinite=args.nonfinite, checkpoint_every=args.checkpoint_every,
+        progress=args.progress, nonfinite=args.nonfinite, max_consecutive_skips=args.max_consecutive_skips,
+        checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, master_addr=args.master_addr,
         eval_every_steps=args.eval_every_steps,
         resume=getattr(args, "resume", None) is not None,
@@ -131,16 +135,35 @@ def check_config(cfg: TrainConfig) -> None:
         if cfg.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of: {', '.join(DATASETS)}")
         make_algorithm(cfg.algorithm, **cfg.algorithm_options)   # validates names and options
-        check_dataset(cfg.dataset, cfg.data_dir, cfg.seed)
+        size = check_dataset(cfg.dataset, cfg.data_dir, cfg.seed)
+        share = size // cfg.workers
+        if cfg.batch_size > share:
+            raise ValueError(f"--batch-size {cfg.batch_size} is larger than each worker's share of the training "
+                             f"set ({share} of the {size} {cfg.dataset} examples with --workers {cfg.workers})")
     except (ValueError, DatasetError) as e:
         raise UsageError(str(e)) from None
 
 
 @functools.lru_cache(maxsize=None)
-def check_dataset(name: str, data_dir: str, seed: int) -> None:
-    """Load (and so validate) both splits once per process: a bench checks many configurations."""
-    for split in ("train", "test"):
-        load_dataset(name, split, data_dir, seed)
+def check_dataset(name: str, data_dir: str, seed: int) -> int:
+    """Load (and so validate) both splits once per process (a bench checks many
+    configurations); returns the size of the training split."""
+    sizes = [len(load_dataset(name, split, data_dir, seed)) for split in ("train", "test")]
+    return sizes[0]
+
+
+def check_output_dir(path: str, flag: str) -> str:
+    """UsageError unless ``path`` is, or can be created as, a writable directory."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is an existing file, not a directory")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path} is not writable ({parent})")
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="where config, metrics and summary go (default: runs/latest)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR's run from its latest checkpoint (same flags; --epochs, "
-                        "--max-steps, --timeout and --nonfinite may change)")
+                        "--max-steps, --eval-every, --timeout, --nonfinite and --max-skips may change; a "
+                        "cosine schedule is stretched from the resume point to the new end)")
     t.add_argument("--bandwidth", default="none",
                    help="emulated per-worker link rate, e.g. 1gbit, 200mbit (needs root; default: %(default)s = loopback)")
     add_run_arguments(t)
@@ -217,9 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_run_dir(args: argparse.Namespace) -> str:
     """``--resume RUN_DIR`` names the run directory; ``--run-dir`` may repeat it, not contradict it."""
     if args.resume is None:
-        return args.run_dir or DEFAULT_RUN_DIR
+        return check_output_dir(args.run_dir or DEFAULT_RUN_DIR, "--run-dir")
     if args.run_dir is not None and os.path.abspath(args.run_dir) != os.path.abspath(args.resume):
         raise UsageError(f"--resume {args.resume} continues that run directory; drop --run-dir {args.run_dir}")
+    if not os.path.isdir(args.resume):
+        raise UsageError(f"--resume {args.resume} is not a run directory")
     return args.resume
 
 
@@ -241,10 +267,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             print_summary(summary)
         return 0
     cfg = config_from_args(args, args.algorithm, args.workers, run_dir)
-    rate = parse_bandwidths(args.bandwidth, fallback=False)[0][1]
+    rate = parse_bandwidths(args.bandwidth, fallback=False, workers=[cfg.workers])[0][1]
     if cfg.resume:
         try:   # the workers check again; this turns the common mistakes into a usage error
-            check_resumable(read_manifest(cfg.run_dir), dataclasses.asdict(cfg), cfg.workers)
+            manifest = read_manifest(cfg.run_dir)
+            check_resumable(manifest, dataclasses.asdict(cfg), cfg.workers)
+            verify(cfg.run_dir, manifest)      # every file's SHA-256, before anything is touched
         except CheckpointError as e:
             raise UsageError(str(e)) from None
     try:
@@ -258,19 +286,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_bandwidths(text: str, fallback: bool) -> list[tuple[str, Optional[int]]]:
+def parse_bandwidths(text: str, fallback: bool, workers: Sequence[int] = ()) -> list[tuple[str, Optional[int]]]:
     """``"none,1gbit"`` -> [("none", None), ("1gbit", 10**9)]; checks that emulation is usable
-    when a rate is asked for (or, with ``fallback``, says so and uses loopback)."""
+    when a rate is asked for, for every count in ``workers`` (or, with ``fallback``, says so
+    and uses loopback)."""
     from . import netem
     out = []
     for label in [x.strip() for x in text.split(",") if x.strip()]:
         try:
             out.append((label, netem.parse_rate(label)))
         except ValueError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(f"--bandwidth: {e}") from None
     if not out:
         raise UsageError("--bandwidth needs at least one rate")
     if any(rate is not None for _, rate in out):
+        too_many = [w for w in workers if w > netem.MAX_WORLD_SIZE]
+        if too_many:
+            raise UsageError(f"--workers {too_many[0]} is more than the {netem.MAX_WORLD_SIZE} workers that network "
+                             "emulation (--bandwidth) supports")
         reason = netem.check_available()
         if reason:
             if not fallback:
@@ -300,8 +333,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .report import derive, markdown_table, plot, render_section, update_doc
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    if not algorithms:
+        raise UsageError(f"--algorithms needs at least one algorithm name, got {args.algorithms!r}")
     workers = _int_list(args.workers, "--workers")
-    links = parse_bandwidths(args.bandwidth, fallback=args.fallback_loopback)
+    check_output_dir(args.out, "--out")
+    links = parse_bandwidths(args.bandwidth, fallback=args.fallback_loopback, workers=workers)
     configs = []
     for label, rate in links:
         for w in workers:
@@ -342,11 +378,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import main_report
+    from .report import ResultsFileError, main_report
     if not os.path.exists(args.results):
         raise UsageError(f"results file {args.results} does not exist")
-    return main_report(args.results, args.doc, args.images or os.path.dirname(os.path.abspath(args.results)),
-                       args.section)
+    if os.path.isdir(args.results):
+        raise UsageError(f"results file {args.results} is a directory (pass its results.json)")
+    try:
+        return main_report(args.results, args.doc, args.images or os.path.dirname(os.path.abspath(args.results)),
+                           args.section)
+    except ResultsFileError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .data import DEFAULT_DATA_DIR
-from .guard import NONFINITE_POLICIES
+from .guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, NONFINITE_POLICIES
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
+#: numpy's seed range (torch's and Python's are wider)
+SEED_LIMIT = 2 ** 32
+#: --timeout above this is a typo, not a timeout (and overflows torch's millisecond timers)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -39,39 +44,48 @@ class TrainConfig:
     timeout_s: float = 120.0      # collective timeout: a dead peer is reported after this long
     progress: bool = True
     nonfinite: str = "raise"      # NaN/Inf gradient on any rank: "raise" | "skip" (all ranks) | "off"
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS   # "skip": then every rank stops
     checkpoint_every: int = 0     # steps between checkpoints (0: none); the end of a run also saves
     keep_checkpoints: int = 2     # complete checkpoints kept (the newest is what --resume uses)
     resume: bool = False          # continue from run_dir's latest checkpoint
     master_addr: str = "127.0.0.1"  # rendezvous address; loopback keeps every socket local
 
     def validate(self) -> None:
-        """Raise ValueError with one clear sentence for the first invalid field."""
-        if self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.epochs < 1:
-            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        """Raise ValueError with one clear sentence, naming the flag, for the first invalid field."""
+        def at_least(flag: str, value: Any, low: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+
+        def number(flag: str, value: Any, ok: bool, what: str) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok:
+                raise ValueError(f"{flag} must be {what}, got {value!r}")
+
+        at_least("--workers", self.workers, 1)
+        at_least("--batch-size", self.batch_size, 1)
+        at_least("--epochs", self.epochs, 1)
+        if self.max_steps is not None:
+            at_least("--max-steps", self.max_steps, 1)
+        number("--lr", self.lr, self.lr > 0, "a finite number > 0")
+        number("--momentum", self.momentum, 0 <= self.momentum < 1, "a number in [0, 1)")
+        number("--weight-decay", self.weight_decay, self.weight_decay >= 0, "a finite number >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: {', '.join(LR_SCHEDULES)}")
-        if self.eval_every_steps is not None and self.eval_every_steps < 1:
-            raise ValueError(f"--eval-every must be >= 1, got {self.eval_every_steps}")
-        if self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+        if self.eval_every_steps is not None:
+            at_least("--eval-every", self.eval_every_steps, 1)
+        at_least("--threads", self.threads, 1)
+        number("--timeout", self.timeout_s, 0 < self.timeout_s <= MAX_TIMEOUT_S,
+               f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:.0f} (a week)")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"--nonfinite must be one of: {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        at_least("--max-skips", self.max_consecutive_skips, 1)
+        at_least("--checkpoint-every", self.checkpoint_every, 0)
+        at_least("--keep-checkpoints", self.keep_checkpoints, 1)
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise ValueError(f"--master-addr must be a host name or address, got {self.master_addr!r}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -6,26 +6,41 @@ gradient-ready hooks, byte/time statistics, buffer consistency and checkpointabl
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import copy
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agreement import check_agreement
+from .agreement import ABSENT, check_agreement, check_replicas, state_digest
 from .algorithms import Algorithm, EngineContext, make_algorithm
 from .collectives.communicator import CommStats, Communicator, flatten, unflatten_into
-from .guard import NONFINITE_POLICIES, GradientGuard
+from .guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, GradientGuard, check_policy
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+#: modules whose ``sparse=True`` makes their weight's gradient a sparse tensor
+SPARSE_GRADIENT_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def check_dense_gradients(model: nn.Module) -> None:
+    """ValueError naming the first module that would produce sparse gradients: every lowband
+    algorithm flattens gradients into dense buckets."""
+    for name, module in model.named_modules():
+        if isinstance(module, SPARSE_GRADIENT_MODULES) and getattr(module, "sparse", False):
+            raise ValueError(f"module {name or type(module).__name__!r} ({type(module).__name__}(sparse=True)) "
+                             "produces sparse gradients, which lowband's algorithms do not support; build it "
+                             "with sparse=False")
 
 
 class Engine:
     """Drives one algorithm for one model. Create it with :func:`distribute`.
 
-    Usage per iteration: ``optimizer.zero_grad(); loss.backward(); engine.step()``. Call
-    ``engine.synchronize()`` before evaluating or saving, so the model holds the global
-    weights and every rank holds the same buffers.
+    Usage per iteration: ``optimizer.zero_grad(); loss.backward(); engine.step()``. Evaluate
+    ``engine.global_model()``, a copy of the global model that leaves training untouched;
+    ``engine.synchronize()`` makes the training model itself global (at the end of training:
+    for some algorithms it is a step outside their schedule).
     """
 
     def __init__(
@@ -35,6 +50,7 @@ class Engine:
         algorithm: Algorithm,
         group: Optional[dist.ProcessGroup] = None,
         nonfinite: str = "raise",
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -48,11 +64,14 @@ class Engine:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._check_optimizer()
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        check_dense_gradients(model)
+        check_policy(nonfinite, max_consecutive_skips)
         # before any collective whose shape depends on the configuration (the broadcast below)
-        check_agreement(self.agreement_fields(nonfinite), self.comm.group)
-        self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group)
+        check_agreement(self.agreement_fields(nonfinite, max_consecutive_skips), self.comm.group)
+        self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group, max_consecutive_skips)
+        #: bytes of evaluation and checks (global_model, check_replicas), kept apart from the
+        #: algorithm's traffic in ``stats`` as the guard's are
+        self.aux_stats = CommStats()
         self._broadcast_initial_state()
         self.ctx = EngineContext(model=model, optimizer=optimizer, names=self.names, params=self.params, comm=self.comm)
         algorithm.bind(self.ctx)
@@ -75,7 +94,8 @@ class Engine:
                 guard.on_gradient(index, forward)
         return hook
 
-    def agreement_fields(self, nonfinite: str) -> dict[str, Any]:
+    def agreement_fields(self, nonfinite: str,
+                         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> dict[str, Any]:
         """What every rank must agree on before training (see :mod:`lowband.agreement`)."""
         return {
             "algorithm": self.algorithm.config(),
@@ -85,7 +105,7 @@ class Engine:
                           "groups": [{k: v for k, v in g.items() if k != "params"} | {"size": len(g["params"])}
                                      for g in self.optimizer.param_groups]},
             "world": {"size": self.comm.world_size, "backend": str(dist.get_backend(self.comm.group))},
-            "nonfinite": nonfinite,
+            "nonfinite": {"policy": nonfinite, "max_consecutive_skips": max_consecutive_skips},
         }
 
     def _check_optimizer(self) -> None:
@@ -130,10 +150,13 @@ class Engine:
 
     def synchronize(self) -> None:
         """Drain in-flight work (the model then holds the global weights) and average the
-        floating-point buffers (BatchNorm running statistics) so every rank evaluates and
-        saves the same model. Buffers are averaged here rather than every step: in training
-        mode BatchNorm normalises with batch statistics, so the running averages only matter
-        when the model is evaluated or saved."""
+        floating-point buffers (BatchNorm running statistics) so every rank holds the same
+        model: for the end of training. It changes the trajectory of algorithms that keep work
+        in flight or replicas apart (CP-SGD's pipeline, local SGD's period), so evaluation
+        during training uses :meth:`global_model` instead, and checkpoints save each rank's
+        exact state. Buffers are averaged here rather than every step: in training mode
+        BatchNorm normalises with batch statistics, so the running averages only matter when
+        the model is evaluated or saved."""
         self.algorithm.drain()
         floats = [b for b in self.model.buffers() if b.is_floating_point()]
         if floats and self.comm.world_size > 1:
@@ -142,14 +165,64 @@ class Engine:
                 self.comm.all_reduce(flat, op=dist.ReduceOp.AVG)
                 unflatten_into(flat, floats)
 
+    # -- the global model, without touching training -------------------------------------
+    @contextmanager
+    def _counted_apart(self) -> Iterator[None]:
+        """Charge what this thread sends through the engine's communicator to ``aux_stats``
+        (an algorithm's background threads keep their own reference to ``stats``)."""
+        saved, self.comm.stats = self.comm.stats, self.aux_stats
+        try:
+            yield
+        finally:
+            self.comm.stats = saved
+
+    def global_model(self) -> nn.Module:
+        """A copy of the global model, in eval mode, for evaluation: the algorithm's global
+        parameter values (``Algorithm.global_parameters()``; the model's own when it returns
+        None) and the floating-point buffers (BatchNorm running statistics) averaged over the
+        ranks. Collective (every rank calls it together, between steps). Nothing of the
+        training state changes: parameters, buffers, optimizer, algorithm state (a pipeline in
+        flight stays in flight, local SGD's period is not reset) and ``stats``; its
+        communication is counted in ``aux_stats``."""
+        model = copy.deepcopy(self.model)      # parameters and buffers only: no grads, no hooks
+        with torch.no_grad(), self._counted_apart():
+            values = self.algorithm.global_parameters()
+            if values is not None:
+                own = dict(model.named_parameters())
+                for name, v in zip(self.names, values):
+                    own[name].copy_(v)
+            floats = [b for b in model.buffers() if b.is_floating_point()]
+            if floats and self.comm.world_size > 1:
+                flat = flatten(floats)
+                self.comm.all_reduce(flat, op=dist.ReduceOp.AVG)
+                unflatten_into(flat, floats)
+        return model.eval()
+
+    def check_replicas(self) -> None:
+        """Raise :class:`lowband.agreement.ReplicaMismatchError` on every rank unless all ranks
+        hold bit-identical replicated state (``Algorithm.replicated_state()``: the global
+        weights and, where the algorithm replicates it, the optimizer state), naming the first
+        differing parameter. Collective; costs one all-reduce of 4 int64 per parameter."""
+        values, optimizer_replicated = self.algorithm.replicated_state()
+        slots = []
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            slots.append((f"values of parameter {name!r}", ABSENT if values is None else state_digest(values[i])))
+            state = self.optimizer.state.get(p, {}) if optimizer_replicated else None
+            digest = ABSENT if state is None else state_digest(*[x for k in sorted(state) for x in (k, state[k])])
+            slots.append((f"optimizer state of parameter {name!r}", digest))
+        with self._counted_apart():
+            check_replicas(slots, self.comm)
+
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's engine state: algorithm state (residuals, pipeline, counters) and
-        statistics. The model, optimizer and scheduler are saved by their own state_dicts."""
+        """This rank's engine state: algorithm state (residuals, pipeline, counters), the
+        guard's run of skipped steps and statistics. The model, optimizer and scheduler are
+        saved by their own state_dicts."""
         return {
             "version": STATE_VERSION,
             "algorithm_config": self.algorithm.config(),
             "algorithm": self.algorithm.state_dict(),
+            "consecutive_skips": self.guard.consecutive_skips,
             "stats": self.comm.stats.snapshot(),
         }
 
@@ -160,6 +233,7 @@ class Engine:
         if saved != self.algorithm.config():
             raise ValueError(f"checkpoint was written by {saved}, but this engine runs {self.algorithm.config()}")
         self.algorithm.load_state_dict(state["algorithm"])
+        self.guard.consecutive_skips = int(state["consecutive_skips"])
         self.comm.stats.load(state["stats"])
 
     def close(self) -> None:
@@ -176,6 +250,7 @@ def distribute(
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     nonfinite: str = "raise",
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     **algorithm_options: Any,
 ) -> Engine:
     """Make ``model`` train data-parallel with ``algorithm`` (a registry name such as
@@ -188,6 +263,10 @@ def distribute(
     Reliability (docs/reliability.md): all ranks first check that they agree on the
     algorithm configuration, parameter layout, optimizer and world (else every rank raises
     :class:`lowband.ConfigMismatchError`); ``nonfinite`` ("raise", "skip" or "off") is what
-    every rank does, together, when some rank's gradient holds a NaN or Inf.
+    every rank does, together, when some rank's gradient holds a NaN or Inf; under "skip", at
+    most ``max_consecutive_skips`` steps in a row are skipped before every rank raises.
+    Modules with sparse gradients (``nn.Embedding(sparse=True)``) are refused with a
+    ValueError.
     """
-    return Engine(model, optimizer, make_algorithm(algorithm, **algorithm_options), process_group, nonfinite)
+    return Engine(model, optimizer, make_algorithm(algorithm, **algorithm_options), process_group, nonfinite,
+                  max_consecutive_skips)

@@ -17,7 +17,10 @@ parameter index (one int64 per rank, in one tiny MAX all-reduce) and take the sa
   finite (the hook only records the ready order and replays it at ``step()``), so a skipped
   step leaves the model, the optimizer and the algorithm state (residuals, lazy sums)
   untouched; gradients are dropped and ``stats.skipped_steps`` counts it. The price is the
-  overlap of communication with backward (measured in docs/reliability.md).
+  overlap of communication with backward (measured in docs/reliability.md). At most
+  ``max_consecutive_skips`` steps in a row are skipped: the next consecutive non-finite step
+  raises :class:`NonFiniteGradientError` on every rank (a run that skips every step has
+  diverged; skipping on would end with exit 0 and a meaningless model).
 * ``"off"``: no check, no extra collective.
 
 The exchange runs on a dedicated process group: under ``"raise"`` the algorithm's own
@@ -36,6 +39,10 @@ import torch.distributed as dist
 from .collectives.communicator import Communicator
 
 NONFINITE_POLICIES = ("raise", "skip", "off")
+#: default of ``max_consecutive_skips``: a healthy fp32 run has no two non-finite steps in a
+#: row (an outlier batch costs one skip); a diverged one has nothing but. 10 tolerates a burst
+#: of bad batches and stops a diverged run after 11 steps (tested with --lr 1e30)
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 10
 #: "no bad parameter" in the exchanged per-rank index
 ALL_FINITE = -1
 
@@ -63,25 +70,51 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """Some rank produced a NaN/Inf gradient (raised identically on every rank)."""
+    """Some rank produced a NaN/Inf gradient (raised identically on every rank). With
+    ``skipped`` > 0 the policy was "skip" and that many steps in a row were already skipped."""
 
-    def __init__(self, step: int, bad: dict[int, str]):
+    def __init__(self, step: int, bad: dict[int, str], skipped: int = 0):
         self.step = step
         self.bad = bad   # rank -> name of its first parameter with a non-finite gradient
+        self.skipped = skipped
         where = ", ".join(f"rank {r} (first parameter {name!r})" for r, name in bad.items())
-        super().__init__(f"non-finite gradient at step {step} on {where}; "
-                         "lower the learning rate, or pass nonfinite='skip' (CLI: --nonfinite skip) "
-                         "to drop such steps on all ranks")
+        if skipped:
+            advice = (f"the {skipped} steps before it were skipped for the same reason, the limit "
+                      "(max_consecutive_skips, CLI: --max-skips): training has diverged; lower the learning rate")
+        else:
+            advice = ("lower the learning rate, or pass nonfinite='skip' (CLI: --nonfinite skip) "
+                      "to drop such steps on all ranks")
+        super().__init__(f"non-finite gradient at step {step} on {where}; {advice}")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN/Inf while the gradient check is off (``nonfinite="off"``)."""
+
+    def __init__(self, step: int, rank: int, value: float):
+        self.step, self.rank, self.value = step, rank, value
+        super().__init__(f"loss became {value} at step {step} on rank {rank} (--nonfinite off: gradients are "
+                         "not checked, so the model may already be non-finite on every rank); lower the "
+                         "learning rate, or use --nonfinite raise or skip")
+
+
+def check_policy(policy: str, max_consecutive_skips: int) -> None:
+    """ValueError for an unknown policy or a skip limit that is not an integer >= 1."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
+    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) or \
+            max_consecutive_skips < 1:
+        raise ValueError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
 
 
 class GradientGuard:
     """Checks gradients in the engine's hook and decides, with all ranks, whether a step applies."""
 
     def __init__(self, policy: str, names: Sequence[str], params: Sequence[torch.nn.Parameter],
-                 group: Optional[dist.ProcessGroup]):
-        if policy not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
+                 group: Optional[dist.ProcessGroup], max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS):
+        check_policy(policy, max_consecutive_skips)
         self.policy = policy
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
         self.names = list(names)
         self.params = list(params)
         self.deferring = policy == "skip"
@@ -131,10 +164,12 @@ class GradientGuard:
             self.comm.all_reduce(everyone, op=dist.ReduceOp.MAX)
         bad = {r: self.names[int(i)] for r, i in enumerate(everyone.tolist()) if i != ALL_FINITE}
         if not bad:
+            self.consecutive_skips = 0
             return True
-        if self.policy == "raise":
-            self.failed = NonFiniteGradientError(step, bad)
+        if self.policy == "raise" or self.consecutive_skips >= self.max_consecutive_skips:
+            self.failed = NonFiniteGradientError(step, bad, self.consecutive_skips if self.policy == "skip" else 0)
             raise self.failed
+        self.consecutive_skips += 1
         self._ready.clear()
         for p in self.params:
             p.grad = None

@@ -6,7 +6,9 @@ under torchrun on many nodes. A ``prefix``/``extra_env`` per rank lets the netwo
 each worker inside its own network namespace.
 
 If a worker exits with an error, the others get ``grace_s`` seconds to notice (their
-collectives fail) and are then terminated, and the launch returns that worker's exit status;
+collectives fail) and are then terminated, and the launch returns the status of the worker
+that caused it (see :func:`_cause`: a worker that lost contact with its peers exits with
+:data:`EXIT_PEER_LOST`, so a survivor is never blamed for a peer that stopped responding);
 no process is left behind, also on Ctrl-C, and (Linux) also when the launcher itself is
 killed: each worker gets a parent-death signal. With the default loopback master address the
 rendezvous store and gloo's sockets listen on loopback only (see :mod:`lowband.rendezvous`).
@@ -26,9 +28,10 @@ from typing import Callable, Optional, Sequence
 LOOPBACK = "127.0.0.1"
 LOOPBACK_IFNAME = "lo"
 POLL_S = 0.1
-#: after the first worker failure, how long to wait for others before naming the cause
-CAUSE_SETTLE_S = 1.0
 PR_SET_PDEATHSIG = 1            # prctl(2) option
+#: exit status of a worker that stopped because a collective with its peers broke or timed
+#: out (``lowband.worker``): the effect of another worker's failure, never its cause
+EXIT_PEER_LOST = 3
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -57,20 +60,23 @@ class LaunchResult:
     returncodes: list = field(default_factory=list)
     #: ranks still running at the end of the grace period, terminated by the launcher
     terminated: list = field(default_factory=list)
+    grace_s: float = 0.0
+
+    def _what(self, rank: int) -> str:
+        if rank in self.terminated:
+            return f"stopped responding: it was still running {self.grace_s:g} s after the first failure and was terminated"
+        code = self.returncodes[rank]
+        if code == EXIT_PEER_LOST:
+            return f"lost contact with the other workers (exit status {EXIT_PEER_LOST})"
+        return describe_status(code)
 
     def describe(self) -> str:
-        """One line naming the first rank that failed and how, then what became of the others."""
+        """One line naming the rank that caused the failure and how, then what became of the others."""
         if self.failed_rank is None:
             return "all workers exited with status 0"
-        first = f"worker rank {self.failed_rank} {describe_status(self.returncodes[self.failed_rank])} (first to fail)"
-        others = []
-        for rank, code in enumerate(self.returncodes):
-            if rank == self.failed_rank:
-                continue
-            if rank in self.terminated:
-                others.append(f"rank {rank} did not exit within the grace period and was terminated")
-            elif code != 0:
-                others.append(f"rank {rank} {describe_status(code)}")
+        first = f"worker rank {self.failed_rank} {self._what(self.failed_rank)} (first to fail)"
+        others = [f"rank {rank} {self._what(rank)}" for rank, code in enumerate(self.returncodes)
+                  if rank != self.failed_rank and (code != 0 or rank in self.terminated)]
         return first + ("; " + "; ".join(others) if others else "")
 
 
@@ -122,40 +128,49 @@ def launch_workers(
         _terminate(procs)
 
 
-def _cause_first(codes: list, failed: list[int]) -> int:
-    """Of the failed ranks, the likely cause: one killed by a signal before one that exited
-    with an error (its collectives broke because of the other), then the lowest rank."""
-    return min(failed, key=lambda r: (codes[r] >= 0, r))
+def _cause(codes: list, terminated: list[int], seen: dict[int, int]) -> Optional[int]:
+    """The rank that most likely caused the failure, by kind, then by the poll in which it
+    was first seen failing (``seen``), then by rank: one killed by a signal (a SIGKILLed
+    worker's sockets reset its peers before the kernel reports its death, so it may be seen
+    after them), then one that exited with its own error, then one that stopped responding
+    (still running when the grace period ended), and only then one that merely lost contact."""
+    def kind(r: int) -> int:
+        if r in terminated:
+            return 2
+        if codes[r] < 0:
+            return 0
+        return 3 if codes[r] == EXIT_PEER_LOST else 1
+    failed = [r for r, c in enumerate(codes) if c != 0 or r in terminated]
+    return min(failed, key=lambda r: (kind(r), seen.get(r, 0), r)) if failed else None
 
 
 def _watch(procs: list[subprocess.Popen], grace_s: float) -> LaunchResult:
-    failed_rank, first_failure, deadline = None, None, None
+    deadline: Optional[float] = None
     terminated: list[int] = []
+    seen: dict[int, int] = {}          # rank -> poll in which it was first seen failing
+    polls = 0
     while True:
         codes = [p.poll() for p in procs]
+        polls += 1
+        for rank, c in enumerate(codes):
+            if c not in (None, 0):
+                seen.setdefault(rank, polls)
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
-        failed = [rank for rank, c in enumerate(codes) if c not in (None, 0)]
-        if failed and first_failure is None:
-            first_failure, deadline = now, now + grace_s
-        # a SIGKILLed worker's sockets reset its peers before the kernel reports its death, so
-        # a survivor may be seen exiting first: wait a moment before naming the cause
-        if failed_rank is None and first_failure is not None and now >= first_failure + CAUSE_SETTLE_S:
-            failed_rank = _cause_first(codes, failed)
+        if seen and deadline is None:
+            deadline = now + grace_s
         if deadline is not None and now > deadline:
             terminated = [r for r, c in enumerate(codes) if c is None]
             _terminate(procs)
             codes = [p.wait() for p in procs]
             break
         time.sleep(POLL_S)
-    if failed_rank is None:
-        bad = [r for r, c in enumerate(codes) if c != 0 and r not in terminated]
-        failed_rank = _cause_first(codes, bad) if bad else None
+    failed_rank = _cause(codes, terminated, seen)
     rc = 0 if failed_rank is None else codes[failed_rank]
-    # a worker killed by a signal has a negative code; report it as a plain failure
+    # a worker killed by a signal (or terminated here) has a negative code: a plain failure
     return LaunchResult(returncode=rc if rc >= 0 else 1, failed_rank=failed_rank, returncodes=codes,
-                        terminated=terminated)
+                        terminated=terminated, grace_s=grace_s)
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:

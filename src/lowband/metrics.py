@@ -57,6 +57,7 @@ SUMMARY_COLUMNS = [
     ("workers", "workers", "{}"),
     ("model", "model", "{}"),
     ("steps", "steps", "{}"),
+    ("skipped", "skipped_steps", "{}"),     # steps dropped on all ranks for a non-finite gradient
     ("test acc", "test_accuracy", "{:.2%}"),
     ("wall s", "wall_s", "{:.1f}"),
     ("step ms", "step_ms", "{:.1f}"),

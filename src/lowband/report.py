@@ -34,9 +34,33 @@ COLUMNS = [
 ]
 
 
+#: what every row of a results file must hold (the rest is optional)
+ROW_KEYS = ("algorithm", "bandwidth", "workers", "median_step_ms", "median_comm_wait_ms")
+
+
+class ResultsFileError(ValueError):
+    """A file that is not a readable ``lowband bench`` results file."""
+
+
 def load(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
+    """A results file written by ``lowband bench``; ResultsFileError says what is wrong."""
+    try:
+        with open(path) as f:
+            results = json.load(f)
+    except UnicodeDecodeError:
+        raise ResultsFileError(f"{path} is not a lowband bench results file (not JSON text)") from None
+    except json.JSONDecodeError as e:
+        raise ResultsFileError(f"{path} is not a lowband bench results file (not JSON: {e})") from None
+    except OSError as e:
+        raise ResultsFileError(f"cannot read results file {path}: {e.strerror}") from None
+    rows = results.get("rows") if isinstance(results, dict) else None
+    if not isinstance(rows, list):
+        raise ResultsFileError(f"{path} is not a lowband bench results file (no list of 'rows')")
+    for i, row in enumerate(rows):
+        missing = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ResultsFileError(f"{path} is not a lowband bench results file (row {i} lacks {', '.join(missing)})")
+    return results
 
 
 def derive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -19,9 +19,12 @@ from torch import nn
 from .config import TrainConfig
 from .data import ShardedBatches, TensorDataset, load_dataset
 from . import checkpoint, rendezvous
+from .agreement import ReplicaMismatchError
 from .engine import distribute
+from .guard import NonFiniteLossError
 from .metrics import MetricsWriter, format_table, read_jsonl, write_json_atomic
 from .models import make_model
+from .schedule import CosineSchedule
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -34,9 +37,9 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
-def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> Optional[CosineSchedule]:
     if cfg.lr_schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
+        return CosineSchedule(optimizer, total_steps)
     return None
 
 
@@ -99,6 +102,13 @@ def _trim_metrics(run_dir: str, step: int) -> None:
             checkpoint.atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
 
+def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (a collective, hence also a barrier)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     """Train one worker's share; rank 0 returns (and writes) the run summary. With
     ``cfg.resume`` the run continues from the latest checkpoint in ``cfg.run_dir``, taking
@@ -120,7 +130,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     model = make_model(cfg.model)
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, total_steps)
-    engine = distribute(model, optimizer, cfg.algorithm, nonfinite=cfg.nonfinite, **cfg.algorithm_options)
+    engine = distribute(model, optimizer, cfg.algorithm, nonfinite=cfg.nonfinite,
+                        max_consecutive_skips=cfg.max_consecutive_skips, **cfg.algorithm_options)
 
     step, start_epoch, start_in_epoch = 0, 0, 0
     train_time = wait_total = 0.0
@@ -132,7 +143,13 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
+            # a changed run length stretches (or shortens) the rest of the cosine from here
+            scheduler.retarget(total_steps)
         engine.load_state_dict(state["engine"])
+        try:   # the files' SHA-256 matched; this catches state that was wrong when it was saved
+            engine.check_replicas()
+        except ReplicaMismatchError as e:
+            raise checkpoint.CheckpointError(f"after loading the checkpoint of step {state['step']}, {e}") from None
         _set_rng_state(state["rng"])
         step, start_epoch, start_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         train_time, wait_total = state["train_s"], state["comm_wait_s"]
@@ -148,7 +165,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                  "engine": engine.state_dict(), "rng": _rng_state(),
                  "train_s": train_time, "comm_wait_s": wait_total}
         info = {"epoch": epoch, "step_in_epoch": next_in_epoch, "config": dataclasses.asdict(cfg)}
-        checkpoint.save(cfg.run_dir, rank, world, step, state, info, dist.barrier, cfg.keep_checkpoints)
+        checkpoint.save(cfg.run_dir, rank, world, step, state, info, _all_gather, cfg.keep_checkpoints)
 
     writer = MetricsWriter(cfg.run_dir, enabled=(rank == 0))
     progress = None
@@ -157,9 +174,10 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         progress = tqdm(total=total_steps, initial=step, desc=f"{cfg.algorithm} x{world}", unit="step", leave=False)
 
     def evaluate_and_record(epoch: int) -> tuple[float, float]:
-        """Drain, score the global model, and log it (train_s excludes evaluation time)."""
-        engine.synchronize()
-        acc, tl = evaluate(engine.module, test, rank, world)
+        """Score a copy of the global model and log it (train_s excludes evaluation time).
+        The copy leaves every piece of training state alone, so a run with evaluations
+        follows the same trajectory as one without (tests/test_reliability_engine.py)."""
+        acc, tl = evaluate(engine.global_model(), test, rank, world)
         writer.epoch({"epoch": epoch, "step": step, "test_accuracy": acc, "test_loss": tl,
                       "wall_s": time.perf_counter() - wall0, "train_s": train_time})
         return acc, tl
@@ -189,7 +207,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             loss_value = loss.item()
             if not math.isfinite(loss_value) and cfg.nonfinite == "off":
                 # with a guard the engine already decided, together with all ranks
-                raise FloatingPointError(f"rank {rank}: loss became {loss_value} at step {step}")
+                raise NonFiniteLossError(step, rank, loss_value)
             writer.step({
                 "step": step, "epoch": epoch, "loss": loss_value, "step_s": step_s,
                 "compute_s": step_s - wait, "comm_wait_s": wait,
@@ -211,9 +229,9 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                 save_checkpoint(epoch, in_epoch + 1)
             if end_of_run:
                 break
-    engine.synchronize()
-    if math.isnan(accuracy):
-        accuracy, test_loss = evaluate(engine.module, test, rank, world)
+    if math.isnan(accuracy):      # a resumed run that had no step left to take
+        accuracy, test_loss = evaluate(engine.global_model(), test, rank, world)
+    engine.synchronize()          # after the last checkpoint: the model this process ends with is global
     wall = time.perf_counter() - wall0
     if progress is not None:
         progress.close()
@@ -223,6 +241,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     own = stats.snapshot()
     guard = engine.guard.comm.stats.snapshot() if engine.guard.comm is not None else None
     own["guard_bytes_sent"] = guard["bytes_sent"] if guard else 0   # the non-finite agreement, kept apart
+    own["aux_bytes_sent"] = engine.aux_stats.bytes_sent              # evaluation and checks, kept apart
     write_json_atomic(os.path.join(cfg.run_dir, f"rank{rank}.stats.json"), own)
     summary = None
     if rank == 0:

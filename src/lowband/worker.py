@@ -1,8 +1,9 @@
 """Entry point of one spawned worker: ``python -m lowband.worker RUN_DIR/config.json``.
 
-Failures that lowband detects on purpose (ranks that disagree, a non-finite gradient, an
-unusable checkpoint, a peer that died or went silent) end the worker with one line naming
-its rank and exit status 1; anything else keeps its traceback.
+Failures that lowband detects on purpose (ranks that disagree, a non-finite gradient or
+loss, an unusable checkpoint) end the worker with one line naming its rank and exit status 1;
+a peer that died or went silent, with exit status :data:`~lowband.launcher.EXIT_PEER_LOST`
+(so the launcher blames the peer, not this worker); anything else keeps its traceback.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from .agreement import ConfigMismatchError
 from .checkpoint import CheckpointError
 from .config import TrainConfig
-from .guard import NonFiniteGradientError
+from .guard import NonFiniteGradientError, NonFiniteLossError
+from .launcher import EXIT_PEER_LOST
 from .train import run_worker
 
 EXIT_FAILURE = 1
@@ -27,13 +29,13 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistError) or "gloo" in str(e)
 
 
-def fail(message: str) -> NoReturn:
+def fail(message: str, status: int = EXIT_FAILURE) -> NoReturn:
     """Report and leave at once. A normal interpreter exit would run the process group's
     destructors with collectives still in flight on a broken connection, which aborts the
     process (SIGABRT, "terminate called without an active exception") and hides the status."""
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(EXIT_FAILURE)
+    os._exit(status)
 
 
 def main(argv: list[str]) -> int:
@@ -45,14 +47,14 @@ def main(argv: list[str]) -> int:
     rank = os.environ.get("RANK", "?")
     try:
         run_worker(cfg)
-    except (ConfigMismatchError, NonFiniteGradientError, CheckpointError) as e:
+    except (ConfigMismatchError, NonFiniteGradientError, NonFiniteLossError, CheckpointError) as e:
         fail(f"lowband worker rank {rank}: error: {e}")
     except RuntimeError as e:
         if not is_peer_failure(e):
             raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"lowband worker rank {rank}: error: lost contact with the other workers (one died or sent "
-             f"nothing for --timeout {cfg.timeout_s:g} s): {first_line}")
+             f"nothing for --timeout {cfg.timeout_s:g} s): {first_line}", EXIT_PEER_LOST)
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Algorithm, EngineContext
+from .base import Algorithm, EngineContext, OptionError, check_fields, check_options
 from .compressed import CompressedSGD
 from .cpsgd import CPSGD
 from .lazy import LazyUpdate
@@ -33,18 +33,25 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
 
 
 def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
-    """An algorithm object from a registry name plus options, or the object itself."""
+    """An algorithm object from a registry name plus options, or the object itself. Options
+    are type- and range-checked against the algorithm's dataclass fields (strings such as the
+    CLI's ``--option warmup_steps=20`` are coerced to the field's type); ValueError names the
+    bad option."""
     if isinstance(spec, Algorithm):
         if options:
             raise ValueError(f"options {sorted(options)} given together with an algorithm object; set them on the object")
+        try:
+            check_fields(spec)
+        except OptionError as e:
+            raise ValueError(f"bad options for algorithm {spec.name!r}: {e}") from None
         return spec
     try:
         cls = ALGORITHMS[spec]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"unknown algorithm {spec!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
     try:
-        return cls(**options)
-    except TypeError as e:
+        return cls(**check_options(cls, options))
+    except (OptionError, TypeError) as e:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 

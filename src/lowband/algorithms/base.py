@@ -24,9 +24,11 @@ process group; its ``config()`` is what ranks must agree on.
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from torch import nn
@@ -92,6 +94,17 @@ class Algorithm(ABC):
         replicas differ between syncs (local SGD) may compute an average here, on copies."""
         return None
 
+    def replicated_state(self) -> "tuple[Optional[list[torch.Tensor]], bool]":
+        """What every rank must hold bit-identically between steps, checked after a checkpoint
+        is loaded (:meth:`lowband.Engine.check_replicas`): the parameter values that are
+        replicated, aligned with ``ctx.params`` (``None``: none are), and whether the
+        optimizer's per-parameter state is. Default: the global parameters and the optimizer
+        state (every rank applies the same averaged gradient). Algorithms whose replicas
+        legitimately differ (local SGD between averages, no communication at all) override it;
+        it must not communicate."""
+        values = self.global_parameters()
+        return (list(self.ctx.params) if values is None else list(values)), True
+
     def step_metrics(self) -> dict[str, Any]:
         """Plain-data values of the step just taken that the training loop logs in
         ``steps.jsonl`` (the lazy update's tau and sync flag, CP-SGD's correction flag, ...).
@@ -108,3 +121,117 @@ class Algorithm(ABC):
 
     def close(self) -> None:
         """Release hooks and buffers."""
+
+
+# -- option checking ----------------------------------------------------------------------------
+#: strings accepted for a bool option (the CLI passes ``--option overlap=false`` as a string)
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+NONE_WORDS = ("none", "null")
+
+
+class OptionError(ValueError):
+    """An algorithm option of the wrong type or out of range (names the option)."""
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            dict: "a KEY=VALUE mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """``value`` as the annotated type ``tp`` (strings are parsed), or OptionError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in NONE_WORDS):
+            return None
+        if len(inner) == 1:
+            try:
+                return _coerce(inner[0], value, where)
+            except OptionError as e:
+                raise OptionError(str(e).replace(", got ", " or none, got ", 1)) from None
+        return value
+    if tp is Any:
+        return value
+    base = origin or tp
+    text = value.strip() if isinstance(value, str) else None
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if text is not None and text.lower() in TRUE_WORDS + FALSE_WORDS:
+            return text.lower() in TRUE_WORDS
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if text is not None:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+    elif base is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif text is not None:
+            try:
+                number = float(text)
+            except ValueError:
+                pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise OptionError(f"{where} must be a finite number, got {value!r}")
+            return number
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    elif base is dict:
+        if isinstance(value, dict):
+            return value
+    else:
+        return value
+    raise OptionError(f"{where} must be {_type_name(base)}, got {value!r}")
+
+
+def _check_range(spec: dataclasses.Field, value: Any, where: str) -> None:
+    """Numbers must be >= ``metadata["min"]`` (default 0: every lowband knob that is a count,
+    a size, a rate or a period is non-negative) and <= ``metadata["max"]`` if given."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high = spec.metadata.get("min", 0), spec.metadata.get("max")
+    if value < low:
+        raise OptionError(f"{where} must be >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise OptionError(f"{where} must be <= {high}, got {value!r}")
+
+
+def check_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """Options for the dataclass algorithm ``cls``, each coerced to its field's annotated type
+    and range-checked; OptionError names the first bad option (or the unknown one). One
+    generic check for every algorithm, so none hand-writes type checks; an algorithm's
+    ``__post_init__`` adds the checks that need more than a type and a lower bound."""
+    if not dataclasses.is_dataclass(cls):
+        return dict(options)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in options.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields)) or "none"
+            raise OptionError(f"unknown option {key!r}; its options are: {known}")
+        where = f"option {key!r}"
+        coerced = _coerce(hints.get(key, Any), value, where)
+        _check_range(fields[key], coerced, where)
+        out[key] = coerced
+    return out
+
+
+def check_fields(algorithm: Algorithm) -> None:
+    """The checks of :func:`check_options` on an algorithm object's current field values."""
+    if dataclasses.is_dataclass(algorithm):
+        values = {f.name: getattr(algorithm, f.name) for f in dataclasses.fields(algorithm)
+                  if f.init and not f.name.startswith("_")}
+        check_options(type(algorithm), values)

@@ -8,7 +8,7 @@ all-reduce per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,17 +92,45 @@ class LocalSGD(Algorithm):
             self._grads.write_gradients(b)
         self._grads.reset()
 
+    def _averages(self) -> list[tuple[list[int], torch.Tensor]]:
+        """Per dtype: the parameter indices and one all-reduced (averaged) flat copy of them."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(self.ctx.params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        out = []
+        for indices in by_dtype.values():
+            flat = flatten([self.ctx.params[i].detach() for i in indices])
+            self.ctx.comm.all_reduce(flat, op=dist.ReduceOp.AVG)
+            out.append((indices, flat))
+        return out
+
     @torch.no_grad()
     def _average_parameters(self) -> None:
         if self.ctx.world_size > 1:
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p in self.ctx.params:
-                by_dtype.setdefault(p.dtype, []).append(p.data)
-            for group in by_dtype.values():
-                flat = flatten(group)
-                self.ctx.comm.all_reduce(flat, op=dist.ReduceOp.AVG)
-                unflatten_into(flat, group)
+            for indices, flat in self._averages():
+                unflatten_into(flat, [self.ctx.params[i].data for i in indices])
         self._in_sync = True
+
+    @torch.no_grad()
+    def global_parameters(self) -> Optional[list[torch.Tensor]]:
+        """Between averages: the average of the replicas, computed on copies (one all-reduce
+        per dtype, the same as an average; the replicas, the period and the optimizer are
+        untouched). In sync: None (every replica is the global model)."""
+        if self._in_sync or self.ctx.world_size == 1:
+            return None
+        values: list[Optional[torch.Tensor]] = [None] * len(self.ctx.params)
+        for indices, flat in self._averages():
+            offset = 0
+            for i in indices:
+                n = self.ctx.params[i].numel()
+                values[i] = flat[offset:offset + n].view_as(self.ctx.params[i])
+                offset += n
+        return values
+
+    def replicated_state(self) -> tuple[Optional[list[torch.Tensor]], bool]:
+        """The parameters while in sync; the optimizer state only while every step so far was
+        a warm-up step (local steps keep it local, as in PyTorch)."""
+        return (list(self.ctx.params) if self._in_sync else None), self._step <= self.warmup_steps
 
     def drain(self) -> None:
         """Average the parameters (unless they are already identical) so evaluation and

@@ -8,7 +8,7 @@ bottleneck"). ``drain()`` re-broadcasts rank 0's weights so evaluation stays wel
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 
@@ -34,3 +34,16 @@ class NoComm(Algorithm):
             flat = flatten([p.data for p in self.ctx.params])
             self.ctx.comm.broadcast(flat, src=0)
             unflatten_into(flat, [p.data for p in self.ctx.params])
+
+    @torch.no_grad()
+    def global_parameters(self) -> Optional[list[torch.Tensor]]:
+        """Rank 0's parameters, broadcast into copies (what ``drain()`` would install)."""
+        values = [p.detach().clone() for p in self.ctx.params]
+        flat = flatten(values)
+        self.ctx.comm.broadcast(flat, src=0)
+        unflatten_into(flat, values)
+        return values
+
+    def replicated_state(self) -> tuple[Optional[list[torch.Tensor]], bool]:
+        """Nothing: the ranks train independently."""
+        return None, False

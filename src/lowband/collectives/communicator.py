@@ -53,9 +53,9 @@ class CommStats:
         entry[1] += int(round(sent))
 
     def snapshot(self) -> dict:
-        with self._lock:
+        with self._lock:   # by_op too: a background thread may insert a key meanwhile
             d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-        d["by_op"] = {k: list(v) for k, v in self.by_op.items()}
+            d["by_op"] = {k: list(v) for k, v in self.by_op.items()}
         return d
 
     def load(self, d: dict) -> None:
