@@ -223,7 +223,7 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
     lines = [
         f"Profile: `{profile_name}` ({profile.source}; {profile.machine}; {profile.date}).",
         f"Runs: commit {', '.join(sorted({r['commit'] for r in rows}))}; "
-        f"dates {', '.join(sorted({r['date'] for r in rows}))}; one `lowband bench` per link and worker count, e.g. "
+        f"dates {', '.join(sorted({r['date'] for r in rows}))}; one `lowband bench --algorithms noop,ALG` per algorithm, link and worker count (the commits differ only in lowband/perf, benchmarks and docs: the algorithms under test are the same code), e.g. "
         f"`{rows[0]['command']}` if rows else ''.",
         f"Regenerate: `python benchmarks/validate_perfmodel.py report --out DIR --profile {profile_name} --doc docs/results.md`.",
         "",
