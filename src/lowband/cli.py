@@ -219,6 +219,36 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--doc", default=None, help="markdown file whose benchmark section is replaced")
     r.add_argument("--images", default=None, help="directory for the plots (default: next to the results file)")
     r.add_argument("--section", default="bench", help="name of the generated section (default: %(default)s)")
+
+    pr = sub.add_parser("profile", help="measure a model's per-layer compute and codec costs (a JSON profile)",
+                        description="Measure, on this machine and one worker, forward time, per-parameter backward "
+                                    "time in gradient-ready order, optimizer time, gradient sizes and every "
+                                    "compressor's encode/decode throughput; write them as a profile for `lowband plan`.")
+    pr.add_argument("--model", required=True, help=f"model name: {', '.join(MODELS)}")
+    pr.add_argument("--out", required=True, help="profile file to write (JSON)")
+    pr.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="per-worker batch size (default: %(default)s)")
+    pr.add_argument("--reps", type=int, default=20, help="measured steps (default: %(default)s)")
+    pr.add_argument("--threads", type=int, default=TrainConfig.threads, help="intra-op threads (default: %(default)s)")
+    pr.add_argument("--codecs", default=None, help="comma-separated compressors to measure (default: all)")
+
+    pl = sub.add_parser("plan", help="project step time and speedup of algorithms over worker counts",
+                        description="Project, from a profile and a network, each algorithm's steady-state step time, "
+                                    "throughput, speedup over one worker and scaling efficiency (docs/perfmodel.md).")
+    pl.add_argument("--profile", required=True, help="profile file from `lowband profile`, or a bundled one "
+                    "(resnet50-v100, resnet50-knl, cnn-2core)")
+    pl.add_argument("--workers", default="8,16,32", help="comma-separated worker counts (default: %(default)s)")
+    pl.add_argument("--bandwidth", required=True, help="per-worker link rate, e.g. 56gbit, 1gbit")
+    pl.add_argument("--latency", default="0", help="per-message latency, e.g. 5us, 0.2ms (default: %(default)s)")
+    pl.add_argument("--efficiency", type=float, default=1.0,
+                    help="achieved fraction of the link rate for bulk transfers (default: %(default)s)")
+    pl.add_argument("--algorithms", default="ssgd,compressed,cpsgd,lazy",
+                    help="comma-separated NAME[:KEY=VALUE...] with the algorithms' own knobs plus the model's "
+                         "what-ifs: lazy:tau=T, ssgd|lazy:pattern=pcnn, compressed|cpsgd:collective=ps, "
+                         "cpsgd:correction=spread|burst (default: %(default)s)")
+    pl.add_argument("--batch-size", type=int, default=None, help="per-worker batch (compute scaled linearly from the profile's)")
+    pl.add_argument("--compute-scale", type=float, default=1.0,
+                    help="multiply the profile's compute and codec times, e.g. for CPU contention (default: %(default)s)")
+    pl.add_argument("--out", default=None, help="also draw speedup vs workers to this image file")
     return parser
 
 
@@ -388,7 +418,61 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
 
 
-COMMANDS = {"train": cmd_train, "bench": cmd_bench, "report": cmd_report}
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .compressors import COMPRESSORS
+    from .perf.profile import measure
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}; choose one of: {', '.join(sorted(MODELS))}")
+    if args.batch_size < 1 or args.reps < 1 or args.threads < 1:
+        raise UsageError("--batch-size, --reps and --threads must be >= 1")
+    codecs = None
+    if args.codecs is not None:
+        codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+        bad = [c for c in codecs if c not in COMPRESSORS]
+        if bad:
+            raise UsageError(f"unknown compressor(s) {bad}; choose from: {', '.join(COMPRESSORS)}")
+    prof = measure(args.model, args.batch_size, codecs, reps=args.reps, threads=args.threads,
+                   progress=lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
+    prof.save(args.out)
+    print(f"{args.out}: {len(prof.params)} parameters, {prof.gradient_bytes / 1e6:.2f} MB of gradients; "
+          f"forward {1e3 * prof.forward_s:.2f} ms, backward {1e3 * prof.backward_total_s:.2f} ms, "
+          f"optimizer {1e3 * prof.optimizer_s:.2f} ms; {len(prof.codecs)} codecs")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from . import netem
+    from .perf.network import Network, parse_latency
+    from .perf.plan import format_rows, plot_speedup, run_plan
+    from .perf.profile import ProfileError, load_profile
+    try:
+        prof = load_profile(args.profile)
+        if args.batch_size is not None:
+            if args.batch_size < 1:
+                raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+            prof = prof.scaled(args.batch_size)
+        rate = netem.parse_rate(args.bandwidth)
+        if rate is None:
+            raise ValueError("--bandwidth needs a rate (e.g. 56gbit); 'none' has no time model")
+        network = Network(rate, parse_latency(args.latency), args.efficiency)
+        workers = _int_list(args.workers, "--workers")
+        algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+        if not algorithms:
+            raise ValueError("--algorithms needs at least one name")
+        rows = run_plan(prof, algorithms, workers, network, compute_scale=args.compute_scale)
+    except (ProfileError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    print(f"profile: {args.profile} ({prof.model}, batch {prof.batch_size} per worker; {prof.source})")
+    print(f"network: {args.bandwidth} per worker, latency {args.latency} per message, efficiency {args.efficiency}; "
+          f"one-worker compute-only step {1e3 * prof.compute_s * args.compute_scale:.1f} ms")
+    print(format_rows(rows))
+    if args.out:
+        plot_speedup(rows, args.out, f"{prof.model} ({args.profile}), {args.bandwidth}, latency {args.latency}")
+        print(f"plot: {args.out}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "plan": cmd_plan}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -26,3 +26,29 @@ def allgather_bytes(nbytes: float, world: int) -> float:
 def alltoall_bytes(nbytes: float, world: int) -> float:
     """Bytes sent (= received) per rank by an even-split all-to-all of ``nbytes`` per rank."""
     return (world - 1) / world * nbytes if world > 1 else 0.0
+
+
+def broadcast_bytes(nbytes: float, world: int) -> float:
+    """Bytes the root sends for a flat-tree broadcast of ``nbytes`` (every other rank receives
+    ``nbytes`` once)."""
+    return float((world - 1) * nbytes) if world > 1 else 0.0
+
+
+def ps_link_bytes(push_bytes: float, pull_bytes: float, world: int, servers: int) -> tuple[float, float]:
+    """(worker link, busiest server link) bytes of one parameter-server push of ``push_bytes``
+    and pull of ``pull_bytes`` per worker, with the keys sharded evenly over ``servers``.
+
+    Each server receives ``world / servers`` pushes and sends as many pulls. With servers
+    co-located on the workers (``servers == world``, MXNet's usual launch), a worker keeps its
+    own shard local, so each link carries ``(world-1)/world`` of a push plus the other ranks'
+    shards: the same per-link bytes as a ring all-reduce, in two message rounds instead of
+    ``2 (world-1)``."""
+    if world <= 1:
+        return 0.0, 0.0
+    if servers >= world:     # co-located: own shard stays local
+        share = (world - 1) / world
+        worker = share * (push_bytes + pull_bytes)
+        return worker, worker
+    worker = push_bytes + pull_bytes
+    server = world / servers * (push_bytes + pull_bytes)
+    return worker, server

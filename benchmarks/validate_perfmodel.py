@@ -1,0 +1,302 @@
+"""Validate lowband's performance model against real runs over emulated links.
+
+Two phases, so each timing run stays short (run one `run` per link and worker count):
+
+    # measure: a link probe (small and large all_reduce) and `lowband bench` of every algorithm
+    python benchmarks/validate_perfmodel.py run --link 1gbit --workers 2 --out runs/validate
+    python benchmarks/validate_perfmodel.py run --link 1gbit --workers 4 --out runs/validate
+    ...  (200mbit, 50mbit)
+    # predict and compare (no timing; rerun at will, e.g. with a new profile)
+    python benchmarks/validate_perfmodel.py report --out runs/validate --profile cnn-2core \
+        --doc docs/results.md --section perfmodel-validation
+
+What is predicted and what is taken from the run under test:
+* measured on the link (probe, before the bench): per-message latency (median all_reduce time
+  of 64 bytes / 2(N-1)) and bulk efficiency (4 MiB all_reduce rate / nominal rate);
+* measured in the same bench run: the compute-only (`noop`) step time, which gives the
+  compute scale (noop step / profile compute step: CPU contention of N workers on this
+  machine's cores, and the load of the machine at the time). Each algorithm gets its own
+  `lowband bench --algorithms noop,ALG` run, so its compute scale comes from a noop run taken
+  right before it (the machine is shared and its load drifts within minutes); for `lazy`, the
+  sync interval tau, counted from the steps whose bytes exceed the non-sync steps';
+* predicted by the model: everything else (communication, overlap, codec cost and placement,
+  pipelining, periodic steps) from the profile, the network and the algorithm's rules.
+
+Measured step time: mean of the steps after the algorithm's warm-up (+3), over whole cycles
+of its periodic steps, from the run's steps.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+sys.path.insert(0, HERE)
+
+#: every algorithm of lowband's registry, with warm-ups short enough for ~60-step runs
+ALGORITHMS = ["noop", "ssgd", "ddp", "ddp-fp16", "ddp-powersgd", "compressed:warmup_steps=10",
+              "cpsgd:warmup_steps=10", "lazy", "localsgd"]
+#: steps excluded before the measured window: each algorithm's warm-up (defaults: ddp-powersgd's
+#: start_powerSGD_iter 10, localsgd's warmup_steps 10) plus 3
+SKIP = {"ddp-powersgd": 13, "localsgd": 13, "compressed": 13, "cpsgd": 13}
+DEFAULT_SKIP = 5
+ALGO_ORDER = {a.replace(":", "-"): i for i, a in enumerate(ALGORITHMS)}
+TARGET = 0.15
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=HERE, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "?"
+
+
+# -- run -------------------------------------------------------------------------------------
+
+PROBE_PORT = "29519"   # free in rank 0's fresh namespace
+
+
+def probe_worker(size: int, iters: int) -> None:
+    """One rank of the probe: time ``iters`` all_reduces of ``size`` bytes, wall and CPU."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(16))
+    walls, cpus = [], []
+    for _ in range(iters):
+        t = torch.ones(max(1, size // 4))
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        dist.all_reduce(t)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    print(json.dumps({"walls": walls, "cpus": cpus}), flush=True)
+    dist.destroy_process_group()
+
+
+def probe_allreduce(link: str, world: int, size: int, iters: int) -> dict:
+    from lowband.netem import EmulatedCluster, parse_rate
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
+    with EmulatedCluster(world, parse_rate(link)) as c:
+        procs = [subprocess.Popen(c.worker_prefix(r) + [sys.executable, __file__, "probe-worker", str(size), str(iters)],
+                                  env={**env, **c.worker_env(r), "RANK": str(r), "WORLD_SIZE": str(world),
+                                       "MASTER_PORT": PROBE_PORT, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                                  stdout=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    wall = statistics.median(max(o["walls"][i] for o in outs) for i in range(iters))
+    cpu = statistics.median(statistics.mean(o["cpus"][i] for o in outs) for i in range(iters))
+    return {"wall_s": wall, "cpu_s": cpu}
+
+
+def probe(link: str, world: int) -> dict:
+    """Per-message latency, bulk efficiency and gloo's CPU seconds per byte on the emulated link."""
+    from lowband.collectives.wire import allreduce_bytes
+    from lowband.netem import parse_rate
+    small = probe_allreduce(link, world, 64, 40)
+    big_size = 4 << 20
+    big = probe_allreduce(link, world, big_size, 4)
+    wire = allreduce_bytes(big_size, world)
+    return {"latency_s": small["wall_s"] / (2 * (world - 1)),
+            "efficiency": min(1.0, wire * 8 / big["wall_s"] / parse_rate(link)),
+            "cpu_s_per_byte": big["cpu_s"] / wire, "small": small, "big": big}
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    out = os.path.join(args.out, f"{args.link}-{args.workers}w")
+    os.makedirs(out, exist_ok=True)
+    meta = {"link": args.link, "workers": args.workers, "commit": git_commit(), "load_before": load_average(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_steps": args.max_steps}
+    print(f"[{args.link} x{args.workers}] link probe", file=sys.stderr, flush=True)
+    meta["probe"] = probe(args.link, args.workers)
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
+    rc = 0
+    for spec in [a for a in args.algorithms.split(",") if a and a != "noop"]:
+        pair = os.path.join(out, spec.replace(":", "-"))
+        cmd = [sys.executable, "-m", "lowband.cli", "bench", "--algorithms", f"noop,{spec}",
+               "--bandwidth", args.link, "--workers", str(args.workers), "--model", args.model,
+               "--max-steps", str(args.max_steps), "--no-progress", "--out", pair]
+        pair_meta = {**meta, "command": "lowband " + " ".join(cmd[3:]), "load_before": load_average()}
+        rc = subprocess.run(cmd, env=env).returncode or rc
+        pair_meta["load_after"] = load_average()
+        with open(os.path.join(pair, "validation-run.json"), "w") as f:
+            json.dump(pair_meta, f, indent=1)
+    return rc
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
+    from lowband.metrics import read_jsonl
+    steps = read_jsonl(os.path.join(run_dir, "steps.jsonl"))
+    window = steps[SKIP.get(name, DEFAULT_SKIP):]
+    keep = max(cycle, len(window) // cycle * cycle) if cycle > 1 else len(window)
+    return window[-keep:]
+
+
+def robust_step(steps: list[dict], cycle: int) -> float:
+    """Median over consecutive blocks of ``cycle`` steps of each block's mean step time. Any
+    ``cycle`` consecutive steps hold exactly one periodic step (a CP-SGD correction, a local-SGD
+    average), so every block mean is a fair sample of the mean step, and the median discards
+    blocks hit by a load spike of the shared machine."""
+    blocks = [steps[i:i + cycle] for i in range(0, len(steps) - cycle + 1, cycle)] or [steps]
+    return statistics.median(statistics.mean(s["step_s"] for s in b) for b in blocks)
+
+
+def measured_tau(steps: list[dict]) -> tuple[float, int]:
+    """Sync interval from the bytes per step: sync steps send the lazy layers' accumulators."""
+    low = min(s["bytes_sent"] for s in steps)
+    syncs = sum(1 for s in steps if s["bytes_sent"] > low * 1.001 + 64)
+    return (len(steps) / syncs if syncs else float(len(steps))), syncs
+
+
+def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None) -> None:
+    from lowband.perf.model import MODELS, Cluster, estimate
+    from lowband.perf.network import Network
+    from lowband.perf.plan import parse_algorithm
+    from lowband.netem import parse_rate
+
+    with open(os.path.join(group_dir, "validation-run.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(group_dir, "results.json")) as f:
+        results = json.load(f)
+    rate, world = parse_rate(meta["link"]), meta["workers"]
+    pr = meta["probe"]
+    if latency_s is not None:
+        pr = {**pr, "latency_s": latency_s}
+    network = Network(rate, pr["latency_s"], pr["efficiency"])
+    runs = {row["algorithm"]: os.path.join(group_dir, "runs", f"{meta['link']}-{world}w-{row['algorithm'].replace(':', '-')}")
+            for row in results["rows"]}
+    noop_steps = steady_steps(runs["noop"], "noop", 1)
+    noop_s = robust_step(noop_steps, 1)
+    scale = noop_s / profile.compute_s
+    for spec, run_dir in runs.items():
+        name, opts = parse_algorithm(spec)
+        if name not in MODELS or name == "noop":
+            continue
+        extra = ""
+        cycle = max(1, int(math.ceil(MODELS[name].cycle(opts))))
+        steps = steady_steps(run_dir, name, cycle)
+        if name == "lazy":
+            tau, syncs = measured_tau(steps)
+            opts["tau"] = tau
+            extra = f"tau {tau:.1f} ({syncs} syncs in {len(steps)} steps)"
+            cycle = max(1, int(math.ceil(tau)))
+            steps = steady_steps(run_dir, name, cycle)
+        # lazy: tau varies within the run, so its blocks would not hold one sync each: plain mean
+        robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
+        mean = statistics.mean(s["step_s"] for s in steps)
+        est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
+                                                    comm_cpu_s_per_byte=pr.get("cpu_s_per_byte", 0.0)))
+        # without the noop calibration: contention assumed = workers per core (at least 1)
+        raw = estimate(profile, name, opts, Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
+        rows_out.append({
+            "link": meta["link"], "workers": world, "algorithm": spec, "measured_ms": 1e3 * robust,
+            "mean_ms": 1e3 * mean, "predicted_ms": 1e3 * est.step_s, "error": est.step_s / robust - 1,
+            "predicted_exposed_ms": 1e3 * est.exposed_s, "predicted_mb": est.bytes_sent / 1e6,
+            "measured_mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6, "scale": scale,
+            "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"], "note": extra,
+            "cpu_ns_per_byte": 1e9 * pr.get("cpu_s_per_byte", 0.0),
+            "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
+            "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * raw.step_s})
+
+
+def render(rows: list[dict], profile_name: str, profile) -> str:
+    within = sum(1 for r in rows if abs(r["error"]) <= TARGET)
+    lines = [
+        f"Profile: `{profile_name}` ({profile.source}; {profile.machine}; {profile.date}).",
+        f"Runs: commit {', '.join(sorted({r['commit'] for r in rows}))}; "
+        f"dates {', '.join(sorted({r['date'] for r in rows}))}; one `lowband bench --algorithms noop,ALG` per algorithm, link and worker count (the commits differ only in lowband/perf, benchmarks and docs: the algorithms under test are the same code), e.g. "
+        f"`{rows[0]['command']}` if rows else ''.",
+        f"Regenerate: `python benchmarks/validate_perfmodel.py report --out DIR --profile {profile_name} --doc docs/results.md`.",
+        "",
+        f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = the run's steady steps "
+        "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd, the "
+        "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
+        "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency "
+        "and gloo CPU cost per byte and the compute scale from the noop run just before; error = predicted / "
+        "measured - 1; load = load averages before / after the pair (the machine was shared).",
+        "",
+        "| link | workers | algorithm | measured ms | mean ms | predicted ms | error | predicted exposed ms | "
+        "MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | load | note |",
+        "|" + "---|" * 16,
+    ]
+    for r in rows:
+        flag = "" if abs(r["error"]) <= TARGET else " **miss**"
+        lines.append(
+            f"| {r['link']} | {r['workers']} | {r['algorithm']} | {r['measured_ms']:.1f} | {r['mean_ms']:.1f} | "
+            f"{r['predicted_ms']:.1f} | {r['error']:+.1%}{flag} | {r['predicted_exposed_ms']:.1f} | "
+            f"{r['measured_mb']:.3f} | {r['predicted_mb']:.3f} | {r['scale']:.2f} | {r['latency_us']:.0f} | "
+            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r['load'].split(' / ')[0].split()[0]} / "
+            f"{r['load'].split(' / ')[1].split()[0]} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from lowband.perf.profile import load_profile
+    from lowband.perf.network import parse_latency
+    from lowband.report import update_doc
+
+    profile = load_profile(args.profile)
+    rows: list[dict] = []
+    order = {"1gbit": 0, "200mbit": 1, "50mbit": 2}
+    groups = sorted(glob.glob(os.path.join(args.out, "*-*w")),
+                    key=lambda d: (order.get(os.path.basename(d).rsplit("-", 1)[0], 9), d))
+    for g in groups:
+        for pair in sorted(glob.glob(os.path.join(g, "*")), key=lambda d: ALGO_ORDER.get(os.path.basename(d), 99)):
+            if os.path.exists(os.path.join(pair, "validation-run.json")) and os.path.exists(os.path.join(pair, "results.json")):
+                predict_pair(pair, profile, rows, None if args.latency is None else parse_latency(args.latency))
+    if not rows:
+        print(f"no completed runs under {args.out}", file=sys.stderr)
+        return 2
+    body = render(rows, args.profile, profile)
+    print(body)
+    with open(os.path.join(args.out, "validation.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    if args.doc:
+        update_doc(args.doc, body, args.section)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="probe the link and bench every algorithm (a timing run)")
+    r.add_argument("--link", required=True, help="tc rate, e.g. 1gbit")
+    r.add_argument("--workers", type=int, required=True)
+    r.add_argument("--out", default="runs/validate")
+    r.add_argument("--model", default="cnn")
+    r.add_argument("--max-steps", type=int, default=40)
+    r.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p = sub.add_parser("report", help="predict every run and compare")
+    p.add_argument("--out", default="runs/validate")
+    p.add_argument("--profile", default="cnn-2core")
+    p.add_argument("--doc", default=None)
+    p.add_argument("--section", default="perfmodel-validation")
+    p.add_argument("--latency", default=None, help="use this per-message latency (e.g. 100us) instead of the probe's")
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-worker":
+        probe_worker(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
+    args = ap.parse_args(argv)
+    return cmd_run(args) if args.cmd == "run" else cmd_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

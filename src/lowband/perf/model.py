@@ -1,0 +1,610 @@
+"""The step of each algorithm as a task graph, simulated over a few consecutive steps.
+
+For one representative worker (all workers are symmetric) the model builds, per step:
+
+* ``forward`` and one ``backward`` task per parameter in the profile's gradient-ready order on
+  the ``compute`` resource, then ``optimizer``;
+* buckets from :func:`lowband.algorithms.buckets.plan_buckets` (the rule lowband's BucketSet
+  uses), each *launched* when its last gradient is ready and every earlier bucket has been
+  launched;
+* collectives on the ``net`` resource (one link per worker, collectives in launch order), with
+  times from :class:`~lowband.perf.network.Network`;
+* codec work (encode with error feedback, decode) from the profile's codec throughputs, on the
+  ``compute`` resource when the profile says the codec shares the processor with compute (CPU
+  workers), on a ``codec`` resource of its own otherwise;
+* lowband's compressed collectives run their whole pipeline on one background thread, so the
+  codec and network tasks of successive buckets form one serial chain.
+
+Each algorithm's dependency rules say which of these the next step waits for (module
+docstrings of the builders below; ``docs/perfmodel.md`` lists every approximation). The result
+is the mean step time in steady state (after the algorithm's warm-up phase), averaged over
+whole cycles of its periodic steps (CP-SGD's correction period, the lazy update's sync
+interval, local SGD's averaging period).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..algorithms.buckets import plan_buckets
+from ..collectives.wire import MIB
+from .network import Network
+from .profile import Profile
+from .simulate import Graph
+
+#: options the model understands beyond the algorithms' own knobs (what-if inputs)
+MODEL_OPTIONS = {
+    "ssgd": {"pattern": "bucketed (lowband) or pcnn (per-layer all-to-all + all-gather overlapped with the next "
+                        "forward, the lazy paper's code)"},
+    "lazy": {"tau": "mean sync interval of the lazy layers (steps); default DEFAULT_TAU",
+             "pattern": "as for ssgd"},
+    "compressed": {"collective=ps": "MXNet-style parameter server (push compressed, pull fp32 weights)",
+                   "ps_servers": "server count for collective=ps (default: one per worker)"},
+    "cpsgd": {"collective=ps": "as for compressed", "ps_servers": "as for compressed",
+              "correction": "burst (every k-th step all fp32, lowband today) or spread (1/k of the elements "
+                            "exact every step)"},
+}
+#: the lazy update's sync interval when none is given: a placeholder, not a measurement (tau
+#: adapts at run time and grows roughly like sqrt(2 t) when gradients agree; see docs/perfmodel.md)
+DEFAULT_TAU = 4.0
+#: local-update cost of CP-SGD in units of one optimizer step: "optimizer" runs a tentative
+#: step and saves/restores the optimizer state; "sgd" one axpy per parameter; "none" a copy.
+LOCAL_UPDATE_COST = {"optimizer": 2.0, "sgd": 1.0, "none": 0.3}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Knobs:
+        workers: N.
+        network: per-worker link (bandwidth, latency, efficiency).
+        compute_scale: multiplies every compute and codec time of the profile (CPU contention:
+            4 workers on 2 cores run each step ~2x slower; measure it with a compute-only run).
+        codec_shares_compute: override the profile's ``codec_shares_compute``.
+        comm_cpu_s_per_byte: CPU seconds the communication library spends per byte a worker
+            sends (copies, reductions, TCP). When > 0, every collective also puts that much
+            work (times ``compute_scale``) on the ``compute`` resource while it runs: on a
+            machine with no spare core it competes with forward and backward. 0 (default):
+            communication costs no compute (a NIC/GPU with its own engine).
+    """
+
+    workers: int
+    network: Network
+    compute_scale: float = 1.0
+    codec_shares_compute: Optional[bool] = None
+    comm_cpu_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not self.compute_scale > 0:
+            raise ValueError(f"compute_scale must be > 0, got {self.compute_scale}")
+        if self.comm_cpu_s_per_byte < 0:
+            raise ValueError(f"comm_cpu_s_per_byte must be >= 0, got {self.comm_cpu_s_per_byte}")
+
+
+@dataclass
+class StepEstimate:
+    """Steady-state mean over the simulated steps."""
+
+    algorithm: str
+    workers: int
+    step_s: float                 # mean wall time of one step
+    compute_s: float              # forward + backward + optimizer (+ local update) per step
+    codec_s: float                # codec work per step
+    net_s: float                  # time the link is busy per step
+    bytes_sent: float             # bytes per step sent by one worker (wire model)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exposed_s(self) -> float:
+        """Step time beyond pure compute: exposed communication and codec time."""
+        return max(0.0, self.step_s - self.compute_s)
+
+
+class _Step:
+    """Builds the tasks of consecutive steps of one algorithm on one graph."""
+
+    def __init__(self, prof: Profile, cluster: Cluster):
+        self.p = prof
+        self.c = cluster
+        self.N = cluster.workers
+        self.net = cluster.network
+        self.g = Graph()
+        shares = prof.codec_shares_compute if cluster.codec_shares_compute is None else cluster.codec_shares_compute
+        self.codec_res = "compute" if shares else "codec"
+        self.wire: dict[int, float] = {}          # task -> bytes this worker sends
+        self.codec_tasks: set[int] = set()
+        self.comm_cpu_tasks: set[int] = set()
+        self.sized = prof.sized_params()
+
+    # -- primitives -----------------------------------------------------------------------
+    def compute(self, name: str, seconds: float, deps, priority: int = 1) -> int:
+        return self.g.add(name, "compute", seconds * self.c.compute_scale, deps, priority)
+
+    def codec(self, name: str, seconds: float, deps) -> int:
+        t = self.g.add(name, self.codec_res, seconds * self.c.compute_scale, deps, priority=0)
+        self.codec_tasks.add(t)
+        return t
+
+    def comm(self, name: str, seconds: float, wire_bytes: float, deps) -> int:
+        deps = list(deps)
+        t = self.g.add(name, "net", seconds, deps)
+        self.wire[t] = wire_bytes
+        if self.c.comm_cpu_s_per_byte > 0 and wire_bytes > 0:
+            self.comm_cpu_tasks.add(self.g.add(name + "/cpu", "compute",
+                                               wire_bytes * self.c.comm_cpu_s_per_byte * self.c.compute_scale,
+                                               deps, priority=0))
+        return t
+
+    def allreduce(self, name: str, nbytes: float, deps) -> int:
+        from ..collectives.wire import allreduce_bytes
+        return self.comm(name, self.net.allreduce_s(nbytes, self.N), allreduce_bytes(nbytes, self.N), deps)
+
+    def allgather(self, name: str, nbytes: float, deps) -> int:
+        from ..collectives.wire import allgather_bytes
+        return self.comm(name, self.net.allgather_s(nbytes, self.N), allgather_bytes(nbytes, self.N), deps)
+
+    def alltoall(self, name: str, nbytes: float, deps) -> int:
+        from ..collectives.wire import alltoall_bytes
+        return self.comm(name, self.net.alltoall_s(nbytes, self.N), alltoall_bytes(nbytes, self.N), deps)
+
+    def broadcast(self, name: str, nbytes: float, deps) -> int:
+        from ..collectives.wire import broadcast_bytes
+        return self.comm(name, self.net.broadcast_s(nbytes, self.N), broadcast_bytes(nbytes, self.N), deps)
+
+    def pushpull(self, name: str, push: float, pull: float, servers: int, deps) -> int:
+        from ..collectives.wire import ps_link_bytes
+        worker, _ = ps_link_bytes(push, pull, self.N, servers)
+        return self.comm(name, self.net.ps_pushpull_s(push, pull, self.N, servers), worker, deps)
+
+    # -- one forward/backward ------------------------------------------------------------
+    def forward_backward(self, s: int, after) -> tuple[int, dict[int, int], int]:
+        """Returns (forward task, {parameter index: its backward task}, backward end)."""
+        f = self.compute(f"s{s}/forward", self.p.forward_s, after)
+        ready, prev = {}, f
+        for i, dt in zip(self.p.ready_order, self.p.backward_s):
+            prev = self.compute(f"s{s}/backward/{self.p.params[i].name}", dt, [prev])
+            ready[i] = prev
+        end = self.compute(f"s{s}/backward/tail", self.p.backward_tail_s, [prev])
+        return f, ready, end
+
+    def buckets(self, indices, bucket_mb: float) -> list[list[int]]:
+        return plan_buckets(self.sized, list(indices), int(bucket_mb * MIB))
+
+    def launches(self, s: int, groups: list[list[int]], ready: dict[int, int], extra=()) -> list[int]:
+        """Launch markers: bucket j launches once its gradients are ready and bucket j-1 launched."""
+        out, prev = [], None
+        for j, group in enumerate(groups):
+            prev = self.g.marker(f"s{s}/launch{j}", [ready[i] for i in group] + [prev, *extra])
+            out.append(prev)
+        return out
+
+    def nbytes(self, group) -> float:
+        return float(sum(self.p.params[i].nbytes for i in group))
+
+
+# -- compressed collectives ------------------------------------------------------------------
+
+def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collective: str, codec_name: str,
+                      launch: int, prev_bg: Optional[int], ps_servers: Optional[int]) -> int:
+    """One bucket through a compressed collective; returns its last task.
+
+    two-stage (lowband): encode N chunks per segment -> all_to_all -> decode N versions of own
+    chunk + re-encode it -> all_gather -> decode N chunks. allgather (lowband): encode ->
+    all_gather -> decode N payloads. Both on lowband's single background thread (``prev_bg``
+    chains them). ps (MXNet): encode -> push compressed / pull fp32 -> (server decodes N pushes
+    of its shard); per-key pipelining, not chained."""
+    N, cd = st.N, st.p.codec(codec_name)
+    if collective == "two-stage":
+        e1 = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=N * segments), [launch, prev_bg])
+        a = st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments), [e1])
+        d1 = st.codec(f"{tag}/decode+reencode",
+                      cd.decode_s(nbytes, calls=N * segments) + cd.encode_s(nbytes / N, calls=segments), [a])
+        g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes / N, calls=segments), [d1])
+        return st.codec(f"{tag}/decode", cd.decode_s(nbytes, calls=N * segments), [g])
+    if collective == "allgather":
+        e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments), [launch, prev_bg])
+        g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes, calls=segments), [e])
+        return st.codec(f"{tag}/decode", cd.decode_s(N * nbytes, calls=N * segments), [g])
+    if collective == "ps":
+        servers = ps_servers or N
+        e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments), [launch])
+        pp = st.pushpull(f"{tag}/push+pull", cd.payload(nbytes, calls=segments), nbytes, servers, [e])
+        return st.codec(f"{tag}/server-decode", cd.decode_s(nbytes * N / servers, calls=segments * N), [pp])
+    raise ValueError(f"unknown collective {collective!r} (model: two-stage, allgather, ps)")
+
+
+def _fp32_chain(st: _Step, tag: str, nbytes: float, collective: str, launch: int, prev_bg: Optional[int],
+                ps_servers: Optional[int]) -> int:
+    """A full-precision average of one bucket on the same path (CP-SGD's correction step)."""
+    if collective == "ps":
+        return st.pushpull(f"{tag}/push+pull fp32", nbytes, nbytes, ps_servers or st.N, [launch])
+    return st.allreduce(f"{tag}/all_reduce fp32", nbytes, [launch, prev_bg])
+
+
+# -- per-algorithm builders: each adds steps s = 0..S-1 and returns the step-end tasks --------
+
+Builder = Callable[[_Step, dict[str, Any], int], list[int]]
+
+
+def _noop(st: _Step, o: dict, steps: int) -> list[int]:
+    ends, prev = [], None
+    for s in range(steps):
+        _, _, b = st.forward_backward(s, [prev])
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
+        ends.append(prev)
+    return ends
+
+
+def _ssgd(st: _Step, o: dict, steps: int) -> list[int]:
+    """Bucketed all-reduce (gradients + one flag per parameter) launched during backward
+    (``overlap=False``: after backward); the optimizer waits for every bucket."""
+    if o.get("pattern", "bucketed") == "pcnn":
+        return _pcnn(st, o, steps, lazy_mode=False)
+    groups = st.buckets(range(len(st.p.params)), o.get("bucket_mb", 1.0))
+    overlap = o.get("overlap", True)
+    ends, prev = [], None
+    for s in range(steps):
+        _, ready, b = st.forward_backward(s, [prev])
+        launches = st.launches(s, groups, ready, extra=() if overlap else (b,))
+        done = [st.allreduce(f"s{s}/bucket{j}", st.nbytes(gr) + 4 * len(gr), [launches[j]])
+                for j, gr in enumerate(groups)]
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
+        ends.append(prev)
+    return ends
+
+
+def _ddp(st: _Step, o: dict, steps: int, kind: str = "ddp") -> list[int]:
+    """DDP's Reducer: buckets of ``bucket_cap_mb`` in reverse registration order, all-reduced
+    (fp16: half the bytes, cast on the compute thread) as they fill; backward ends when the last
+    bucket is reduced; a pre-forward broadcast of the buffers (BatchNorm statistics)."""
+    cap = o.get("bucket_cap_mb", 25.0)
+    groups = st.buckets(range(len(st.p.params)), cap)
+    ends, prev = [], None
+    for s in range(steps):
+        pre = prev
+        if o.get("broadcast_buffers", True) and st.p.buffer_bytes:
+            pre = st.broadcast(f"s{s}/buffers", st.p.buffer_bytes, [prev])
+        _, ready, b = st.forward_backward(s, [pre])
+        launches = st.launches(s, groups, ready)
+        done = []
+        for j, gr in enumerate(groups):
+            nb = st.nbytes(gr)
+            if kind == "ddp-fp16":
+                fp = st.p.codec("fp16")
+                cast = st.compute(f"s{s}/bucket{j}/to fp16", fp.encode_s(nb) / 2, [launches[j]], priority=0)
+                red = st.allreduce(f"s{s}/bucket{j}", nb / 2, [cast])
+                done.append(st.compute(f"s{s}/bucket{j}/to fp32", fp.decode_s(nb / 2), [red], priority=0))
+            else:
+                done.append(st.allreduce(f"s{s}/bucket{j}", nb, [launches[j]]))
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
+        ends.append(prev)
+    return ends
+
+
+def _powersgd_sizes(st: _Step, rank: int, min_rate: float) -> tuple[float, float, float, float]:
+    """(uncompressed bytes, P bytes, Q bytes, bytes of the compressed matrices) by the rule of
+    PyTorch's powerSGD_hook (``_should_compress``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    unc = ps = qs = comp = 0.0
+    for prm in st.p.params:
+        shape = prm.shape or [1]
+        n = shape[0]
+        m = prm.numel // n if n else 0
+        r = min(n, m, rank)
+        if len(shape) > 1 and psgd._should_compress(n, m, r, min_rate)[0]:
+            ps += n * r * prm.element_size
+            qs += m * r * prm.element_size
+            comp += prm.nbytes
+        else:
+            unc += prm.nbytes
+    return unc, ps, qs, comp
+
+
+def _ddp_powersgd(st: _Step, o: dict, steps: int) -> list[int]:
+    """PyTorch's layer-wise powerSGD_hook on one bucket (lowband requires one on gloo): at the
+    end of backward, the uncompressed tensors' all-reduce, then P = MQ, all-reduce P,
+    orthogonalise and Q = M^T P, all-reduce Q, M = P Q^T, all on the compute thread. The matmul
+    costs are approximated by lowband's own ``powersgd`` codec (rank 4, per-parameter segments)
+    from the profile, scaled by rank / 4; steady state (after start_powerSGD_iter)."""
+    rank = o.get("matrix_approximation_rank", 2)
+    unc, pbytes, qbytes, comp = _powersgd_sizes(st, rank, o.get("min_compression_rate", 2.0))
+    cd = st.p.codec("powersgd")
+    scale = rank / 4.0
+    encode = cd.encode_s(comp) * scale
+    ends, prev = [], None
+    for s in range(steps):
+        _, _, b = st.forward_backward(s, [prev])
+        u = st.allreduce(f"s{s}/uncompressed", unc, [b])
+        p = st.compute(f"s{s}/P=MQ", encode / 2, [b], priority=0)
+        rp = st.allreduce(f"s{s}/all_reduce P", pbytes, [p])
+        q = st.compute(f"s{s}/Q=M^T P", encode / 2, [rp], priority=0)
+        rq = st.allreduce(f"s{s}/all_reduce Q", qbytes, [q])
+        d = st.compute(f"s{s}/M=PQ^T", cd.decode_s(comp) * scale, [rq], priority=0)
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [u, d])
+        ends.append(prev)
+    return ends
+
+
+def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
+    """Synchronous compressed SGD after its warm-up: matrices in compressed buckets through the
+    collective on the background thread, launched during backward; 1-D parameters (unless
+    ``compress_vectors``) in fp32 all-reduce buckets; the optimizer waits for both."""
+    params = st.p.params
+    dense = [i for i in range(len(params)) if o.get("compress_vectors", False) or len(params[i].shape) > 1]
+    vectors = sorted(set(range(len(params))) - set(dense))
+    bucket_mb = o.get("bucket_mb", 1.0)
+    groups, vgroups = st.buckets(dense, bucket_mb), st.buckets(vectors, bucket_mb)
+    overlap = o.get("overlap", True)
+    collective, codec_name = o.get("collective", "two-stage"), o.get("compressor", "2bit")
+    ends, prev, bg = [], None, None
+    for s in range(steps):
+        _, ready, b = st.forward_backward(s, [prev])
+        extra = () if overlap else (b,)
+        done = []
+        for j, launch in enumerate(st.launches(s, groups, ready, extra)):
+            bg = _compressed_chain(st, f"s{s}/bucket{j}", st.nbytes(groups[j]), len(groups[j]), collective,
+                                   codec_name, launch, bg if collective != "ps" else None, o.get("ps_servers"))
+            done.append(bg)
+        for j, launch in enumerate(st.launches(s, vgroups, ready, extra)):
+            done.append(st.allreduce(f"s{s}/vectors{j}", st.nbytes(vgroups[j]) + 4 * len(vgroups[j]), [launch]))
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
+        ends.append(prev)
+    return ends
+
+
+def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
+    """CP-SGD's depth-1 pipeline after its warm-up. Step t's buckets go to the background
+    thread during backward (compressed, or fp32 on a correction step); ``step()`` waits for
+    step t-1's averages, applies them (one optimizer step on W) and forms w by the local
+    update; step t+1's forward waits only for that. Correction ``burst`` (lowband today):
+    every k-th step all buckets fp32; ``spread``: every step 1/k of each bucket's elements
+    fp32 and the rest compressed."""
+    params = st.p.params
+    # today's cpsgd compresses every parameter; a ``compress_vectors=False`` field (as in
+    # ``compressed``) sends 1-D parameters exact, through the same background queue
+    exact_vectors = not o.get("compress_vectors", True)
+    dense = [i for i in range(len(params)) if not exact_vectors or len(params[i].shape) > 1]
+    vectors = sorted(set(range(len(params))) - set(dense))
+    groups = st.buckets(dense, o.get("bucket_mb", 1.0))
+    vgroups = st.buckets(vectors, o.get("bucket_mb", 1.0))
+    collective, codec_name = o.get("collective", "two-stage"), o.get("compressor", "2bit")
+    k = o.get("correction_period", 5)
+    mode = o.get("correction", "burst")
+    if mode not in ("burst", "spread"):
+        raise ValueError(f"cpsgd: correction must be burst or spread, got {mode!r}")
+    serial = collective != "ps"
+    local_cost = LOCAL_UPDATE_COST.get(o.get("local_update", "optimizer"), 1.0) * st.p.optimizer_s
+    ends, prev, bg, in_flight = [], None, None, []
+    for s in range(steps):
+        _, ready, b = st.forward_backward(s, [prev])
+        done = []
+        correcting = mode == "burst" and k is not None and s % k == 0
+        for j, launch in enumerate(st.launches(s, groups, ready)):
+            nb, segs, tag = st.nbytes(groups[j]), len(groups[j]), f"s{s}/bucket{j}"
+            snap = st.compute(f"{tag}/snapshot", 0.0, [launch], priority=0)
+            if correcting:
+                bg = _fp32_chain(st, tag, nb, collective, snap, bg if serial else None, o.get("ps_servers"))
+            elif mode == "spread" and k is not None:
+                bg = _compressed_chain(st, tag, nb * (1 - 1 / k), segs, collective, codec_name, snap,
+                                       bg if serial else None, o.get("ps_servers"))
+                bg = _fp32_chain(st, tag + "/exact", nb / k, collective, bg if serial else snap,
+                                 bg if serial else None, o.get("ps_servers"))
+            else:
+                bg = _compressed_chain(st, tag, nb, segs, collective, codec_name, snap, bg if serial else None,
+                                       o.get("ps_servers"))
+            done.append(bg)
+        for j, launch in enumerate(st.launches(s, vgroups, ready)):
+            bg = _fp32_chain(st, f"s{s}/vectors{j}", st.nbytes(vgroups[j]), collective, launch,
+                             bg if serial else None, o.get("ps_servers"))
+            done.append(bg)
+        apply = st.compute(f"s{s}/global optimizer", st.p.optimizer_s, [b, *in_flight])
+        prev = st.compute(f"s{s}/local update", local_cost, [apply])
+        in_flight = done
+        ends.append(prev)
+    return ends
+
+
+def lazy_split(prof: Profile, lazy_layers: Optional[int]) -> tuple[list[int], list[int]]:
+    """(lazy parameter indices, probe parameter indices) by the rule of
+    :class:`lowband.algorithms.lazy.LazyUpdate`: parameterised non-norm modules in registration
+    order, the first ``lazy_layers`` (default min(8, half of them)) lazy, the last lazy one the
+    probe."""
+    from ..algorithms.lazy import DEFAULT_LAZY_LAYERS
+    modules: list[str] = []
+    for p in prof.params:
+        if not p.norm and p.module not in modules:
+            modules.append(p.module)
+    wanted = min(DEFAULT_LAZY_LAYERS, len(modules) // 2) if lazy_layers is None else lazy_layers
+    chosen = modules[:min(wanted, max(0, len(modules) - 1))]
+    lazy = [i for i, p in enumerate(prof.params) if not p.norm and p.module in chosen]
+    probe = [i for i, p in enumerate(prof.params) if chosen and p.module == chosen[-1] and not p.norm]
+    return lazy, probe
+
+
+def _pcnn(st: _Step, o: dict, steps: int, lazy_mode: bool) -> list[int]:
+    """PCNN's pattern (the lazy update paper's code, ALGORITHMS.md B.2.3): per layer, an
+    all-to-all (reduce-scatter) of its gradient launched when ready, overlapped with the rest
+    of backward; each rank updates its 1/N shard; an all-gather of the updated shards overlapped
+    with the next forward, which waits for it layer by layer. Normalisation parameters are not
+    communicated (PCNN trains them locally). With ``lazy_mode`` the lazy layers skip both and,
+    every ``tau`` steps, join one fused all-reduce after backward; their next forward waits for
+    it and their update. Forward time is shared out over the layers like backward time (the
+    fully connected layer's activation exchange of PCNN is not modelled)."""
+    prof = st.p
+    params = prof.params
+    modules: list[str] = []
+    for prm in params:
+        if prm.module not in modules:
+            modules.append(prm.module)
+    members = {m: [i for i, prm in enumerate(params) if prm.module == m] for m in modules}
+    bwd_of = dict(zip(prof.ready_order, prof.backward_s))
+    total_bwd = sum(prof.backward_s) or 1.0
+    fwd = {m: prof.forward_s * sum(bwd_of[i] for i in members[m]) / total_bwd for m in modules}
+    lazy, probe = lazy_split(prof, o.get("lazy_layers")) if lazy_mode else ([], [])
+    lazy_set = set(lazy)
+    comm_mods = [m for m in modules if any(not params[i].norm and i not in lazy_set for i in members[m])]
+    lazy_mods = [m for m in modules if any(i in lazy_set for i in members[m])]
+    tau = float(o.get("tau", DEFAULT_TAU))
+    fused = st.nbytes(lazy) + st.nbytes(probe)
+    grad_bytes = float(prof.gradient_bytes) or 1.0
+    gathered: dict[str, int] = {}       # module -> all-gather (or lazy update) the next forward waits for
+    ends, prev_end = [], None
+    for s in range(steps):
+        prev = prev_end
+        for m in modules:
+            prev = st.compute(f"s{s}/forward/{m}", fwd[m], [prev, gathered.get(m)])
+        ready = {}
+        for i, dt in zip(prof.ready_order, prof.backward_s):
+            prev = st.compute(f"s{s}/backward/{params[i].name}", dt, [prev])
+            ready[i] = prev
+        b = st.compute(f"s{s}/backward/tail", prof.backward_tail_s, [prev])
+        gathered = {}
+        launch_order = sorted(comm_mods, key=lambda m: max(prof.ready_order.index(i) for i in members[m]))
+        for m in launch_order:
+            idx = [i for i in members[m] if not params[i].norm]
+            nb = st.nbytes(idx)
+            a2a = st.alltoall(f"s{s}/{m}/all_to_all", nb, [ready[i] for i in idx])
+            upd = st.compute(f"s{s}/{m}/shard update", prof.optimizer_s * nb / grad_bytes / st.N, [a2a], priority=0)
+            gathered[m] = st.allgather(f"s{s}/{m}/all_gather", nb / st.N, [upd])
+        if lazy_mods and math.floor((s + 1) / tau) > math.floor(s / tau):
+            sync = st.allreduce(f"s{s}/lazy sync", fused, [b])
+            upd = st.compute(f"s{s}/lazy update", prof.optimizer_s * st.nbytes(lazy) / grad_bytes, [sync], priority=0)
+            for m in lazy_mods:
+                gathered[m] = upd
+        prev_end = b
+        ends.append(b)
+    return ends
+
+
+def _lazy(st: _Step, o: dict, steps: int) -> list[int]:
+    """Regular parameters: S-SGD's bucketed all-reduce overlapped with backward. Lazy
+    parameters: no communication except on sync steps (every ``tau`` steps), where one fused
+    all-reduce of their accumulators plus the probe layer's latest gradient is launched in
+    ``step()`` after backward, behind the regular buckets; the optimizer waits for it. Sync
+    steps are spread evenly at the mean interval ``tau``."""
+    if o.get("pattern", "bucketed") == "pcnn":
+        return _pcnn(st, o, steps, lazy_mode=True)
+    lazy, probe = lazy_split(st.p, o.get("lazy_layers"))
+    regular = [i for i in range(len(st.p.params)) if i not in set(lazy)]
+    groups = st.buckets(regular, o.get("bucket_mb", 1.0))
+    tau = float(o.get("tau", DEFAULT_TAU))
+    if not tau >= 1:
+        raise ValueError(f"lazy: tau must be >= 1, got {tau}")
+    fused = st.nbytes(lazy) + (st.nbytes(probe) if o.get("variant", "probe") == "probe" else st.nbytes(lazy))
+    ends, prev = [], None
+    for s in range(steps):
+        _, ready, b = st.forward_backward(s, [prev])
+        launches = st.launches(s, groups, ready)
+        done = [st.allreduce(f"s{s}/bucket{j}", st.nbytes(gr) + 4 * len(gr), [launches[j]])
+                for j, gr in enumerate(groups)]
+        if lazy and math.floor((s + 1) / tau) > math.floor(s / tau):
+            done.append(st.allreduce(f"s{s}/lazy sync", fused, [b, launches[-1] if launches else None]))
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
+        ends.append(prev)
+    return ends
+
+
+def _periodic_average(st: _Step, o: dict, steps: int, period_key: str, default_period: int,
+                      outer_step: bool) -> list[int]:
+    """Local steps; every ``period`` steps one fp32 all-reduce of all parameters (one call per
+    dtype) after the optimizer step, on the critical path (DiLoCo: of the pseudo-gradients, then
+    an outer optimizer step)."""
+    period = int(o.get(period_key, default_period))
+    ends, prev = [], None
+    for s in range(steps):
+        _, _, b = st.forward_backward(s, [prev])
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
+        if s % period == 0:
+            prev = st.allreduce(f"s{s}/average parameters", st.p.gradient_bytes, [prev])
+            if outer_step:
+                prev = st.compute(f"s{s}/outer optimizer", st.p.optimizer_s, [prev])
+        ends.append(prev)
+    return ends
+
+
+@dataclass(frozen=True)
+class AlgorithmModel:
+    build: Builder
+    cycle: Callable[[dict], float]      # steps per period of the step pattern
+    how: str                            # what is modelled, and how approximately
+
+
+def _one(_o: dict) -> float:
+    return 1.0
+
+
+MODELS: dict[str, AlgorithmModel] = {
+    "noop": AlgorithmModel(_noop, _one, "exact structure: forward, backward, optimizer"),
+    "ssgd": AlgorithmModel(_ssgd, _one, "bucketed ring all-reduce overlapped with backward (BucketSet rule)"),
+    "ddp": AlgorithmModel(_ddp, _one, "DDP Reducer buckets (bucket_cap_mb) overlapped with backward; buffer broadcast"),
+    "ddp-fp16": AlgorithmModel(lambda st, o, s: _ddp(st, o, s, "ddp-fp16"), _one,
+                               "as ddp with fp16 bytes; the casts approximated from the fp16 codec's speed"),
+    "ddp-powersgd": AlgorithmModel(_ddp_powersgd, _one,
+                                   "3 all-reduces after backward; matmul cost approximated by lowband's powersgd codec"),
+    "compressed": AlgorithmModel(_compressed, _one,
+                                 "steady state after warm-up; codec chain on one background thread; fp32 1-D buckets"),
+    "cpsgd": AlgorithmModel(_cpsgd, lambda o: float(o.get("correction_period", 5) or 1), "depth-1 pipeline, burst or spread "
+                            "correction; local update cost as a multiple of the optimizer step"),
+    "lazy": AlgorithmModel(_lazy, lambda o: float(o.get("tau", DEFAULT_TAU)),
+                           "regular buckets overlapped; lazy fused all-reduce every tau steps (tau given)"),
+    "localsgd": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "period", 4, False),
+                               lambda o: float(o.get("period", 4)), "parameter all-reduce every period steps"),
+    "diloco": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "sync_every", 50, True),
+                             lambda o: float(o.get("sync_every", 50)),
+                             "as localsgd plus an outer optimizer step; not in lowband's registry yet"),
+}
+
+
+def algorithm_defaults(name: str) -> dict[str, Any]:
+    """The knobs' defaults of the registry's algorithm ``name`` (empty when it has none), so
+    the model follows the code's defaults (bucket size, correction period, correction kind...)."""
+    import dataclasses
+    from ..algorithms import ALGORITHMS
+    cls = ALGORITHMS.get(name)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster,
+             cycles: int = 2, max_steps: int = 400) -> StepEstimate:
+    """Steady-state mean step time of ``algorithm`` on ``cluster``: simulate a lead-in of
+    whole cycles, then ``cycles`` more, and average the steps of the last cycles. Knobs not
+    in ``options`` take the registry algorithm's defaults."""
+    if algorithm not in MODELS:
+        raise ValueError(f"no performance model for algorithm {algorithm!r}; modelled: {', '.join(sorted(MODELS))}")
+    o = {**algorithm_defaults(algorithm), **(options or {})}
+    m = MODELS[algorithm]
+    cycle = max(1, int(math.ceil(m.cycle(o))))
+    lead = max(2, cycle)
+    measured = max(cycle * cycles, 4)
+    if lead + measured > max_steps:          # a long period: fewer, but whole, cycles
+        measured = max(cycle, (max_steps - lead) // cycle * cycle)
+    st = _Step(prof, cluster)
+    ends = m.build(st, o, lead + measured)
+    st.g.run()
+    t = [st.g.tasks[e].end for e in ends]
+    step = (t[-1] - t[lead - 1]) / measured
+    # work per step: totals over the tasks of the measured steps (task names start "s<step>/")
+    compute = codec = net = sent = 0.0
+    for i, task in enumerate(st.g.tasks):
+        if lead <= int(task.name[1:task.name.index("/")]) < lead + measured:
+            if i in st.codec_tasks:
+                codec += task.duration
+            elif i in st.comm_cpu_tasks:
+                continue
+            elif task.resource == "compute":
+                compute += task.duration
+            elif task.resource == "net":
+                net += task.duration
+                sent += st.wire.get(i, 0.0)
+    return StepEstimate(algorithm, cluster.workers, step, compute / measured, codec / measured, net / measured,
+                        sent / measured)

@@ -1,0 +1,355 @@
+"""A model's cost profile: what one worker spends on one step, measured or written by hand.
+
+A profile is a small JSON document (``FORMAT``):
+
+* ``params``: every trainable parameter in **registration order** (the order lowband's
+  algorithms index them and ``plan_buckets`` buckets them): name, owning module, shape,
+  element size, whether the module is a normalisation layer;
+* ``ready_order``: parameter indices in the order their gradients became ready in backward,
+  and ``backward_s``: for each entry of ``ready_order``, the backward time from the previous
+  ready gradient (the first: from the start of backward) to this one; ``backward_tail_s`` is
+  what autograd spends after the last gradient is ready;
+* ``forward_s`` (forward plus loss) and ``optimizer_s`` (one ``optimizer.step()``) at
+  ``batch_size`` samples per worker;
+* ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
+  input, i.e. ``4 * numel / seconds``) plus a fixed cost per call, and the payload size as a
+  ratio of the fp32 bytes plus a fixed number of bytes per call;
+* ``codec_shares_compute``: whether codec work competes with forward/backward for the same
+  processor (true on CPU workers: lowband's background compression thread runs on the
+  worker's core; false where the codec has a processor of its own);
+* ``source``, ``machine``, ``date``: where the numbers come from.
+
+``lowband profile`` measures one on this machine (:func:`measure`); the hand-written profiles
+of hardware we do not have live in ``lowband/perf/profiles/`` (see :mod:`.resnet50`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+FORMAT = "lowband-profile/1"
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used (missing, malformed, inconsistent)."""
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    module: str
+    shape: list[int]
+    element_size: int = 4
+    norm: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+class _SizedParam:
+    """What :func:`lowband.algorithms.buckets.plan_buckets` reads from a parameter."""
+
+    def __init__(self, p: ParamInfo):
+        self._p = p
+        self.dtype = {2: "float16", 4: "float32", 8: "float64"}.get(p.element_size, str(p.element_size))
+
+    def numel(self) -> int:
+        return self._p.numel
+
+    def element_size(self) -> int:
+        return self._p.element_size
+
+    def dim(self) -> int:
+        return len(self._p.shape)
+
+
+@dataclass
+class CodecInfo:
+    """Cost of one compressor with error feedback; times scale as ``call_s + bytes / (gbps*1e9)``."""
+
+    encode_gbps: float
+    decode_gbps: float
+    encode_call_s: float = 0.0
+    decode_call_s: float = 0.0
+    payload_ratio: float = 1.0
+    payload_fixed_bytes: float = 0.0
+    note: str = ""
+
+    def encode_s(self, nbytes: float, calls: int = 1) -> float:
+        return calls * self.encode_call_s + nbytes / (self.encode_gbps * 1e9)
+
+    def decode_s(self, nbytes: float, calls: int = 1) -> float:
+        return calls * self.decode_call_s + nbytes / (self.decode_gbps * 1e9)
+
+    def payload(self, nbytes: float, calls: int = 1) -> float:
+        return self.payload_ratio * nbytes + calls * self.payload_fixed_bytes
+
+
+@dataclass
+class Profile:
+    model: str
+    batch_size: int
+    forward_s: float
+    optimizer_s: float
+    params: list[ParamInfo]
+    ready_order: list[int]
+    backward_s: list[float]
+    backward_tail_s: float = 0.0
+    buffer_bytes: int = 0
+    codecs: dict[str, CodecInfo] = field(default_factory=dict)
+    codec_shares_compute: bool = True
+    source: str = ""
+    machine: str = ""
+    date: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def backward_total_s(self) -> float:
+        return sum(self.backward_s) + self.backward_tail_s
+
+    @property
+    def compute_s(self) -> float:
+        """One step with no communication: forward + backward + optimizer."""
+        return self.forward_s + self.backward_total_s + self.optimizer_s
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    def sized_params(self) -> list[_SizedParam]:
+        return [_SizedParam(p) for p in self.params]
+
+    def codec(self, name: str) -> CodecInfo:
+        if name not in self.codecs:
+            have = ", ".join(sorted(self.codecs)) or "none"
+            raise ProfileError(f"profile of {self.model!r} has no measurement of codec {name!r} (it has: {have}); "
+                               f"run `lowband profile` on a machine that has it, or add it to the profile")
+        return self.codecs[name]
+
+    def scaled(self, batch_size: int) -> "Profile":
+        """The same profile at another per-worker batch size, forward and backward scaled
+        linearly (an assumption: per-sample cost constant; the optimizer does not scale)."""
+        if batch_size == self.batch_size:
+            return self
+        f = batch_size / self.batch_size
+        return dataclasses.replace(self, batch_size=batch_size, forward_s=self.forward_s * f,
+                                   backward_s=[b * f for b in self.backward_s],
+                                   backward_tail_s=self.backward_tail_s * f,
+                                   notes=self.notes + [f"compute scaled linearly from batch {self.batch_size} to {batch_size}"])
+
+    # -- I/O ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return {"format": FORMAT, **d}
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "profile") -> "Profile":
+        if d.get("format") != FORMAT:
+            raise ProfileError(f"{where}: not a lowband profile (format {d.get('format')!r}, expected {FORMAT!r})")
+        try:
+            d = {k: v for k, v in d.items() if k != "format"}
+            d["params"] = [ParamInfo(**p) for p in d["params"]]
+            d["codecs"] = {k: CodecInfo(**v) for k, v in d.get("codecs", {}).items()}
+            prof = cls(**d)
+        except (KeyError, TypeError) as e:
+            raise ProfileError(f"{where}: malformed profile ({e})") from None
+        prof.check(where)
+        return prof
+
+    def check(self, where: str = "profile") -> None:
+        n = len(self.params)
+        if sorted(self.ready_order) != list(range(n)):
+            raise ProfileError(f"{where}: ready_order must be a permutation of the {n} parameters")
+        if len(self.backward_s) != n:
+            raise ProfileError(f"{where}: backward_s has {len(self.backward_s)} entries for {n} parameters")
+        if self.batch_size < 1 or min([self.forward_s, self.optimizer_s, self.backward_tail_s, *self.backward_s]) < 0:
+            raise ProfileError(f"{where}: times must be >= 0 and batch_size >= 1")
+        for name, c in self.codecs.items():
+            if not (c.encode_gbps > 0 and c.decode_gbps > 0):
+                raise ProfileError(f"{where}: codec {name!r} needs positive encode_gbps and decode_gbps")
+
+
+def resolve_profile_path(name_or_path: str) -> str:
+    """A file path, or the name of a bundled profile (``resnet50-v100`` -> profiles/resnet50-v100.json)."""
+    if os.path.exists(name_or_path):
+        return name_or_path
+    bundled = os.path.join(PROFILE_DIR, name_or_path if name_or_path.endswith(".json") else name_or_path + ".json")
+    if os.path.exists(bundled):
+        return bundled
+    names = ", ".join(sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json")))
+    raise ProfileError(f"profile {name_or_path!r} is neither a file nor a bundled profile ({names})")
+
+
+def load_profile(name_or_path: str) -> Profile:
+    path = resolve_profile_path(name_or_path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not JSON ({e})") from None
+    return Profile.from_dict(data, path)
+
+
+# -- measuring ---------------------------------------------------------------------------
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: int = 5, threads: int = 1,
+                    lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 1e-4) -> dict[str, Any]:
+    """Forward, per-parameter backward (gradient-ready hooks) and optimizer times of one
+    worker, with the optimizer lowband's runs use (SGD with momentum and weight decay)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from ..algorithms.lazy import NORM_LAYERS
+    from ..models import make_model
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = make_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    owner = {}
+    for mname, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owner[id(p)] = (mname, isinstance(module, NORM_LAYERS))
+    params = [ParamInfo(name=n, module=owner[id(p)][0], shape=list(p.shape), element_size=p.element_size(),
+                        norm=owner[id(p)][1]) for n, p in named]
+    stamps: list[float] = [0.0] * len(named)
+    hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
+             for i, (_, p) in enumerate(named)]
+    x = torch.randn(batch_size, 1, 28, 28)
+    y = torch.randint(0, 10, (batch_size,))
+    fwd, bwd_end, opt_t, ready = [], [], [], []
+    for r in range(warmup + reps):
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if r >= warmup:
+            fwd.append(t1 - t0)
+            bwd_end.append(t2 - t1)
+            opt_t.append(t3 - t2)
+            ready.append([s - t1 for s in stamps])
+    for h in hooks:
+        h.remove()
+    med_ready = [_median([row[i] for row in ready]) for i in range(len(named))]
+    order = sorted(range(len(named)), key=lambda i: med_ready[i])
+    backward_s, prev = [], 0.0
+    for i in order:
+        backward_s.append(max(0.0, med_ready[i] - prev))
+        prev = max(prev, med_ready[i])
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
+    return {"params": params, "ready_order": order, "backward_s": backward_s,
+            "backward_tail_s": max(0.0, _median(bwd_end) - prev), "forward_s": _median(fwd),
+            "optimizer_s": _median(opt_t), "buffer_bytes": int(buffers)}
+
+
+def _time(fn, reps: int) -> float:
+    fn()   # warm-up (allocations, first-touch page faults)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+#: options for codecs that need one to be built at all (the ratio of lowband's byte benchmark)
+PROFILE_CODEC_OPTIONS: dict[str, dict[str, Any]] = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}
+
+
+def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
+    """Encode (with error feedback) and decode costs of one compressor, as lowband's algorithms
+    build it (``build_compressor``), on the model's parameter sizes as separate calls (the
+    collectives compress each parameter as its own segment) and on one flat tensor of the same
+    total size: the difference gives the fixed cost per call, the flat run the throughput."""
+    import torch
+    from ..compressors import build_compressor
+
+    options = PROFILE_CODEC_OPTIONS.get(name, {})
+    total = int(sum(sizes))
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(total, generator=gen) * 1e-3
+    segments = list(torch.split(flat, list(sizes)))
+
+    def encode(tensors, codec):
+        return [codec.compress(t, f"s{i}") for i, t in enumerate(tensors)]
+
+    def run(tensors):
+        codec = build_compressor(name, options, error_feedback=True)
+        encoded = encode(tensors, codec)
+        t_enc = _time(lambda: encode(tensors, codec), reps)
+        t_dec = _time(lambda: [codec.decompress(pl, ctx) for pl, ctx in encoded], reps)
+        return t_enc, t_dec
+
+    enc_seg, dec_seg = run(segments)
+    enc_flat, dec_flat = run([flat])
+    n = len(sizes)
+    enc_call = max(0.0, (enc_seg - enc_flat) / (n - 1)) if n > 1 else 0.0
+    dec_call = max(0.0, (dec_seg - dec_flat) / (n - 1)) if n > 1 else 0.0
+    nbytes = 4.0 * total
+    codec = build_compressor(name, options, error_feedback=True)
+    big, small = max(total, 1 << 20), 1024
+    p_big, p_small = codec.payload_nbytes(big), codec.payload_nbytes(small)
+    ratio = (p_big - p_small) / (4.0 * (big - small))
+    return CodecInfo(encode_gbps=nbytes / max(1e-9, enc_flat - enc_call) / 1e9,
+                     decode_gbps=nbytes / max(1e-9, dec_flat - dec_call) / 1e9,
+                     encode_call_s=enc_call, decode_call_s=dec_call, payload_ratio=ratio,
+                     payload_fixed_bytes=max(0.0, p_small - ratio * 4 * small),
+                     note=f"build_compressor({name!r}, {options}, error_feedback=True)")
+
+
+def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str]] = None, reps: int = 20,
+            threads: int = 1, progress=None) -> Profile:
+    """A profile of ``model_name`` on this machine (one worker, ``threads`` intra-op threads)."""
+    import torch
+    from ..compressors import COMPRESSORS
+
+    say = progress or (lambda msg: None)
+    say(f"compute: {model_name}, batch {batch_size}, {reps} steps")
+    c = measure_compute(model_name, batch_size, reps=reps, threads=threads)
+    sizes = [p.numel for p in c["params"]]
+    infos = {}
+    for name in (COMPRESSORS if codecs is None else codecs):
+        say(f"codec: {name}")
+        infos[name] = measure_codec(name, sizes)
+    return Profile(
+        model=model_name, batch_size=batch_size, forward_s=c["forward_s"], optimizer_s=c["optimizer_s"],
+        params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
+        backward_tail_s=c["backward_tail_s"], buffer_bytes=c["buffer_bytes"], codecs=infos,
+        codec_shares_compute=True,
+        source=f"measured by `lowband profile --model {model_name} --batch-size {batch_size}` "
+               f"(median of {reps} steps, {threads} thread(s), torch {torch.__version__})",
+        machine=f"{platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        notes=["codec_shares_compute: lowband's compression thread runs on the worker's own CPU core"])

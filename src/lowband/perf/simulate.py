@@ -1,0 +1,114 @@
+"""A small discrete-event simulator: tasks with durations and dependencies on serial resources.
+
+A task becomes *ready* when all its dependencies have finished. Each resource (``"compute"``,
+``"net"``, ``"codec"``, ...) runs one task at a time, non-preemptively, taking the ready task
+with the earliest ready time first (ties: lower ``priority``, then creation order). A task
+whose resource is ``None`` needs no resource (a marker, or a pure delay) and runs as soon as
+it is ready. All events of one instant are processed before resources pick their next task,
+so ties are decided by priority rather than by event order.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+
+@dataclass
+class Task:
+    name: str
+    resource: Optional[str]
+    duration: float
+    deps: list[int]
+    priority: int = 0
+    ready: float = math.nan
+    start: float = math.nan
+    end: float = math.nan
+
+
+@dataclass
+class Graph:
+    tasks: list[Task] = field(default_factory=list)
+
+    def add(self, name: str, resource: Optional[str], duration: float, deps: Iterable[Optional[int]] = (),
+            priority: int = 0) -> int:
+        """Add a task; ``None`` entries in ``deps`` are ignored. Returns its id."""
+        if duration < 0 or not math.isfinite(duration):
+            raise ValueError(f"task {name!r}: duration must be finite and >= 0, got {duration}")
+        ds = sorted({d for d in deps if d is not None})
+        if any(d >= len(self.tasks) for d in ds):
+            raise ValueError(f"task {name!r} depends on a task that does not exist yet")
+        self.tasks.append(Task(name, resource, float(duration), ds, priority))
+        return len(self.tasks) - 1
+
+    def marker(self, name: str, deps: Iterable[Optional[int]]) -> int:
+        """A zero-duration task that finishes when all of ``deps`` have."""
+        return self.add(name, None, 0.0, deps)
+
+    def run(self) -> float:
+        """Simulate; fills each task's ready/start/end and returns the makespan."""
+        n = len(self.tasks)
+        waiting = [len(t.deps) for t in self.tasks]
+        dependents: list[list[int]] = [[] for _ in range(n)]
+        for i, t in enumerate(self.tasks):
+            for d in t.deps:
+                dependents[d].append(i)
+        events: list[tuple[float, int, int]] = []     # (time, seq, task) completions
+        queues: dict[Optional[str], list[tuple[float, int, int]]] = {}
+        busy: dict[str, bool] = {}
+        seq = 0
+
+        def make_ready(i: int, now: float) -> None:
+            nonlocal seq
+            t = self.tasks[i]
+            t.ready = now
+            if t.resource is None:
+                t.start = now
+                t.end = now + t.duration
+                seq += 1
+                heapq.heappush(events, (t.end, seq, i))
+            else:
+                heapq.heappush(queues.setdefault(t.resource, []), (now, t.priority, i))
+
+        def dispatch(now: float) -> None:
+            nonlocal seq
+            for res, q in queues.items():
+                if q and not busy.get(res, False):
+                    _, _, i = heapq.heappop(q)
+                    t = self.tasks[i]
+                    t.start = now
+                    t.end = now + t.duration
+                    busy[res] = True
+                    seq += 1
+                    heapq.heappush(events, (t.end, seq, i))
+
+        for i in range(n):
+            if waiting[i] == 0:
+                make_ready(i, 0.0)
+        dispatch(0.0)
+        done = 0
+        while events:
+            now = events[0][0]
+            while events and events[0][0] == now:
+                _, _, i = heapq.heappop(events)
+                done += 1
+                t = self.tasks[i]
+                if t.resource is not None:
+                    busy[t.resource] = False
+                for j in dependents[i]:
+                    waiting[j] -= 1
+                    if waiting[j] == 0:
+                        make_ready(j, now)
+            dispatch(now)
+        if done != n:
+            raise RuntimeError(f"simulation finished {done} of {n} tasks (a dependency cycle?)")
+        return max((t.end for t in self.tasks), default=0.0)
+
+    def busy_time(self, resource: str, since: float = 0.0, until: float = math.inf) -> float:
+        """Seconds ``resource`` was busy within [since, until]."""
+        total = 0.0
+        for t in self.tasks:
+            if t.resource == resource:
+                total += max(0.0, min(t.end, until) - max(t.start, since))
+        return total

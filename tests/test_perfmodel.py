@@ -1,0 +1,282 @@
+"""The performance model on cases with closed forms, its invariants, and `lowband plan`."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lowband.algorithms.buckets import plan_buckets
+from lowband.collectives import wire
+from lowband.perf.model import MODELS, Cluster, estimate, lazy_split
+from lowband.perf.network import Network, parse_latency
+from lowband.perf.profile import CodecInfo, ParamInfo, Profile, load_profile
+from lowband.perf.simulate import Graph
+
+GBIT = 1e9
+
+
+def make_profile(sizes, backward, forward=0.01, optimizer=0.002, codec=None, shares=True, modules=None):
+    """A synthetic profile: parameters of ``sizes`` elements (matrices), ready in reverse order."""
+    params = [ParamInfo(name=f"p{i}", module=(modules[i] if modules else f"m{i}"), shape=[n, 1] if n > 1 else [1])
+              for i, n in enumerate(sizes)]
+    order = list(range(len(sizes)))[::-1]
+    codecs = {"2bit": codec} if codec else {}
+    return Profile(model="synthetic", batch_size=32, forward_s=forward, optimizer_s=optimizer, params=params,
+                   ready_order=order, backward_s=list(backward), codecs=codecs, codec_shares_compute=shares)
+
+
+def test_one_bucket_ring_allreduce_closed_form():
+    nbytes, lat = 8e6, 5e-6
+    net = Network(10 * GBIT, lat)
+    for n in (2, 3, 8, 64):
+        expected = 2 * (n - 1) / n * nbytes * 8 / (10 * GBIT) + 2 * (n - 1) * lat
+        assert net.allreduce_s(nbytes, n) == pytest.approx(expected)
+    # the same through the step model: one parameter, one bucket, nothing to overlap with
+    numel = 2_000_000
+    prof = make_profile([numel], [0.0], forward=0.0, optimizer=0.0)
+    for n in (2, 8):
+        est = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(n, net))
+        bucket = 4 * numel + 4                      # gradients + one had-a-gradient flag
+        assert est.step_s == pytest.approx(net.allreduce_s(bucket, n))
+        assert est.bytes_sent == pytest.approx(wire.allreduce_bytes(bucket, n))
+
+
+def test_other_collectives_closed_forms():
+    net = Network(1 * GBIT, 1e-4)
+    b, n = 1e6, 4
+    assert net.allgather_s(b, n) == pytest.approx((n - 1) * b * 8 / GBIT + (n - 1) * 1e-4)
+    assert net.alltoall_s(b, n) == pytest.approx((n - 1) / n * b * 8 / GBIT + (n - 1) * 1e-4)
+    assert net.broadcast_s(b, n) == pytest.approx((n - 1) * b * 8 / GBIT + (n - 1) * 1e-4)
+    # co-located parameter servers move what a ring all-reduce moves, in 2 rounds
+    worker, server = wire.ps_link_bytes(b, b, n, n)
+    assert worker == server == pytest.approx(wire.allreduce_bytes(b, n))
+    assert net.ps_pushpull_s(b, b, n, n) == pytest.approx(net.transfer_s(wire.allreduce_bytes(b, n)) + 2e-4)
+    # one server: its link carries every worker's push and pull
+    assert wire.ps_link_bytes(b, b, n, 1)[1] == pytest.approx(2 * n * b)
+    assert net.allreduce_s(b, 1) == 0.0
+
+
+def test_without_communication_the_step_is_compute():
+    prof = make_profile([1000, 200000, 5000], [0.003, 0.02, 0.001])
+    net = Network(1 * GBIT, 1e-4)
+    for name in MODELS:
+        if name in ("ddp-fp16", "ddp-powersgd", "compressed", "cpsgd"):
+            continue                      # they need codec measurements (covered below)
+        est = estimate(prof, name, {}, Cluster(1, net))
+        outer = prof.optimizer_s / 50 if name == "diloco" else 0.0     # DiLoCo's outer step every 50
+        assert est.step_s == pytest.approx(prof.compute_s + outer), name
+    assert estimate(prof, "noop", {}, Cluster(64, net)).step_s == pytest.approx(prof.compute_s)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_overlap_never_slower_than_compute_and_never_slower_than_no_overlap(seed):
+    rng = random.Random(seed)
+    k = rng.randint(1, 12)
+    sizes = [rng.choice([10, 1000, 100_000, 600_000]) for _ in range(k)]
+    prof = make_profile(sizes, [rng.uniform(0, 0.01) for _ in range(k)])
+    net = Network(rng.choice([0.05, 1, 10]) * GBIT, rng.choice([0, 1e-5, 1e-3]))
+    n = rng.choice([2, 4, 32])
+    on = estimate(prof, "ssgd", {"bucket_mb": rng.choice([0.1, 1, 25])}, Cluster(n, net))
+    off = estimate(prof, "ssgd", {"bucket_mb": 1, "overlap": False}, Cluster(n, net))
+    on1 = estimate(prof, "ssgd", {"bucket_mb": 1}, Cluster(n, net))
+    assert on.step_s >= prof.compute_s - 1e-12
+    assert on1.step_s <= off.step_s + 1e-12
+    # without overlap the step is compute plus every bucket's all-reduce, back to back
+    groups = plan_buckets(prof.sized_params(), range(k), 1 << 20)
+    comm = sum(net.allreduce_s(sum(4 * sizes[i] for i in g) + 4 * len(g), n) for g in groups)
+    assert off.step_s == pytest.approx(prof.compute_s + comm)
+
+
+def _codec():
+    return CodecInfo(encode_gbps=0.5, decode_gbps=2.0, payload_ratio=1 / 16)
+
+
+@pytest.mark.parametrize("bandwidth", [0.02, 0.2, 10.0])
+def test_cpsgd_steady_state_is_max_of_compute_and_codec_plus_comm(bandwidth):
+    """One bucket, no correction, codec on a processor of its own: the depth-1 pipeline's
+    period is max(compute, compress + communicate) (ALGORITHMS.md B.1.4)."""
+    numel, n = 1_000_000, 4
+    prof = make_profile([numel], [0.03], forward=0.015, optimizer=0.002, codec=_codec(), shares=False)
+    net = Network(bandwidth * GBIT, 2e-5)
+    opts = {"correction_period": None, "local_update": "sgd", "bucket_mb": 64}
+    est = estimate(prof, "cpsgd", opts, Cluster(n, net))
+    cd, nb = prof.codecs["2bit"], 4.0 * numel
+    chain = (cd.encode_s(nb, n) + net.alltoall_s(cd.payload(nb, n), n) + cd.decode_s(nb, n) + cd.encode_s(nb / n)
+             + net.allgather_s(cd.payload(nb / n), n) + cd.decode_s(nb, n))
+    compute = prof.compute_s + prof.optimizer_s          # + the local update (sgd: one optimizer-step cost)
+    assert est.step_s == pytest.approx(max(compute, chain), rel=1e-9)
+    # the synchronous compressed step pays for the same chain on its critical path
+    sync = estimate(prof, "compressed", {"bucket_mb": 64}, Cluster(n, net))
+    assert sync.step_s == pytest.approx(prof.compute_s + chain, rel=1e-9)
+    assert est.step_s <= sync.step_s + prof.optimizer_s
+
+
+def test_cpsgd_burst_correction_costs_one_fp32_allreduce_per_period_when_network_bound():
+    numel, n, k = 1_000_000, 4, 5
+    prof = make_profile([numel], [0.0], forward=0.0, optimizer=0.0, codec=CodecInfo(1e6, 1e6, payload_ratio=1 / 16),
+                        shares=False)
+    net = Network(0.1 * GBIT, 0.0)
+    est = estimate(prof, "cpsgd", {"correction_period": k, "bucket_mb": 64}, Cluster(n, net))
+    nb = 4.0 * numel
+    compressed = net.alltoall_s(nb / 16, n) + net.allgather_s(nb / 16 / n, n)
+    assert est.step_s == pytest.approx(((k - 1) * compressed + net.allreduce_s(nb, n)) / k, rel=1e-3)
+    spread = estimate(prof, "cpsgd", {"correction_period": k, "correction": "spread", "bucket_mb": 64},
+                      Cluster(n, net))
+    assert spread.bytes_sent == pytest.approx(est.bytes_sent, rel=0.01)
+
+
+def test_codec_sharing_the_processor_is_never_faster():
+    prof = make_profile([300_000, 300_000], [0.01, 0.01], codec=_codec(), shares=True)
+    net = Network(1 * GBIT, 1e-5)
+    for name in ("compressed", "cpsgd"):
+        shared = estimate(prof, name, {}, Cluster(4, net))
+        own = estimate(prof, name, {}, Cluster(4, net, codec_shares_compute=False))
+        assert shared.step_s >= own.step_s - 1e-12
+
+
+def test_lazy_syncs_every_tau_steps_and_large_tau_approaches_regular_only():
+    sizes = [5000, 5000, 400_000, 100]
+    prof = make_profile(sizes, [0.002, 0.002, 0.01, 0.0])
+    net = Network(0.1 * GBIT, 1e-4)
+    tau1 = estimate(prof, "lazy", {"tau": 1, "lazy_layers": 2}, Cluster(4, net))
+    tau8 = estimate(prof, "lazy", {"tau": 8, "lazy_layers": 2}, Cluster(4, net))
+    ssgd = estimate(prof, "ssgd", {}, Cluster(4, net))
+    assert tau8.step_s <= tau1.step_s
+    assert tau8.bytes_sent < tau1.bytes_sent
+    lazy_bytes = 4 * (5000 + 5000) + 4 * 5000         # accumulators + the probe's latest gradient
+    assert tau1.bytes_sent - tau8.bytes_sent == pytest.approx(wire.allreduce_bytes(lazy_bytes, 4) * (1 - 1 / 8))
+    assert tau8.step_s <= ssgd.step_s + 1e-12
+
+
+def test_lazy_split_mirrors_the_algorithm_rule():
+    import torch
+    from lowband.algorithms.lazy import DEFAULT_LAZY_LAYERS, input_side_layers
+    from lowband.models import make_model
+    prof = load_profile("resnet50-v100")
+    lazy, probe = lazy_split(prof, None)
+    modules = list(dict.fromkeys(prof.params[i].module for i in lazy))
+    assert len(modules) == DEFAULT_LAZY_LAYERS and modules[0] == "conv1"
+    assert probe and all(prof.params[i].module == modules[-1] for i in probe)
+    model = make_model("resnet20")
+    layers = input_side_layers(model)
+    from lowband.perf.profile import ParamInfo as P
+    from lowband.algorithms.lazy import NORM_LAYERS
+    owner = {id(p): (m, isinstance(mod, NORM_LAYERS)) for m, mod in model.named_modules() for p in mod.parameters(False)}
+    params = [P(n, owner[id(p)][0], list(p.shape), 4, owner[id(p)][1]) for n, p in model.named_parameters()]
+    fake = make_profile([p.numel for p in params], [0.0] * len(params))
+    fake.params = params
+    lazy, _ = lazy_split(fake, None)
+    want = [name for name, _ in layers[:min(DEFAULT_LAZY_LAYERS, len(layers) // 2)]]
+    assert list(dict.fromkeys(params[i].module for i in lazy)) == want
+    assert torch.is_tensor(next(model.parameters()))
+
+
+def test_periodic_average_cost_is_amortised():
+    prof = make_profile([250_000], [0.01])
+    net = Network(0.1 * GBIT, 0.0)
+    est = estimate(prof, "localsgd", {"period": 4}, Cluster(2, net))
+    assert est.step_s == pytest.approx(prof.compute_s + net.allreduce_s(1e6, 2) / 4)
+
+
+def test_simulator_resources_are_serial_and_markers_free():
+    g = Graph()
+    a = g.add("a", "net", 1.0)
+    b = g.add("b", "net", 1.0)                 # same resource: after a
+    c = g.add("c", "compute", 0.5)             # another resource: in parallel
+    m = g.marker("m", [b, c])
+    d = g.add("d", "compute", 0.25, [m])
+    assert g.run() == pytest.approx(2.25)
+    assert g.tasks[b].start == pytest.approx(1.0) and g.tasks[c].start == 0.0 and g.tasks[d].start == 2.0
+    with pytest.raises(ValueError):
+        g.add("bad", None, -1.0)
+    assert a == 0
+
+
+def test_bundled_profiles_load_and_state_their_source():
+    for name in ("resnet50-v100", "resnet50-knl", "cnn-2core"):
+        p = load_profile(name)
+        assert p.source and p.compute_s > 0
+    r50 = load_profile("resnet50-v100")
+    assert sum(p.numel for p in r50.params) == 25_557_032
+    assert r50.batch_size / r50.compute_s == pytest.approx(367.0)
+    assert r50.scaled(56).compute_s == pytest.approx((r50.compute_s - r50.optimizer_s) / 2 + r50.optimizer_s)
+
+
+def test_measured_profile_round_trips(tmp_path):
+    from lowband.perf.profile import measure
+    prof = measure("mlp", batch_size=8, codecs=["1bit"], reps=2)
+    assert sorted(prof.ready_order) == list(range(len(prof.params)))
+    assert prof.ready_order[0] == len(prof.params) - 1     # the output layer's bias is ready first
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    back = load_profile(str(path))
+    assert back.params == prof.params and back.codecs["1bit"].payload_ratio == pytest.approx(1 / 32)
+
+
+def test_parse_latency():
+    assert parse_latency("5us") == pytest.approx(5e-6)
+    assert parse_latency("0.2ms") == pytest.approx(2e-4)
+    assert parse_latency("0") == 0.0
+    with pytest.raises(ValueError):
+        parse_latency("fast")
+
+
+def test_plan_cli_prints_a_table_and_plots(tmp_path, capsys):
+    from lowband.cli import main
+    out = tmp_path / "speedup.png"
+    rc = main(["plan", "--profile", "cnn-2core", "--workers", "2,8", "--bandwidth", "1gbit", "--latency", "50us",
+               "--algorithms", "ssgd,cpsgd:correction_period=10,lazy:tau=4", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and out.exists()
+    assert "| cpsgd:correction_period=10 | 8 |" in text and "speedup" in text
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--bandwidth", "fast"], "invalid rate 'fast'"),
+    (["--bandwidth", "1gbit", "--latency", "soon"], "invalid latency 'soon'"),
+    (["--bandwidth", "1gbit", "--algorithms", "magic"], "no performance model for algorithm 'magic'"),
+    (["--bandwidth", "1gbit", "--algorithms", "ssgd:no_such_knob=1"], "bad options for algorithm 'ssgd'"),
+    (["--bandwidth", "1gbit", "--workers", "0"], "--workers values must be >= 1"),
+    (["--bandwidth", "1gbit", "--profile", "nowhere.json"], "is neither a file nor a bundled profile"),
+    (["--bandwidth", "1gbit", "--algorithms", "ddp-fp16", "--profile", "resnet50-knl"], "has no measurement of codec"),
+    (["--bandwidth", "1gbit", "--no-such-flag"], "unrecognized arguments"),
+])
+def test_plan_cli_bad_input_is_one_line(args, expected, capsys):
+    from lowband.cli import main
+    argv = ["plan", *args]
+    if "--profile" not in args:
+        argv += ["--profile", "cnn-2core"]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert expected in err[0] and "Traceback" not in err[0]
+
+
+def test_every_registry_algorithm_has_a_model():
+    from lowband.algorithms import ALGORITHMS
+    assert set(ALGORITHMS) <= set(MODELS)
+    assert all(math.isfinite(estimate(load_profile("cnn-2core"), a, {}, Cluster(2, Network(GBIT))).step_s)
+               for a in ALGORITHMS)
+
+
+def test_communication_cpu_cost_competes_with_compute_only_when_given():
+    prof = make_profile([200_000, 200_000], [0.01, 0.01])
+    net = Network(1 * GBIT, 1e-5)
+    free = estimate(prof, "ssgd", {}, Cluster(4, net))
+    busy = estimate(prof, "ssgd", {}, Cluster(4, net, comm_cpu_s_per_byte=2e-9))
+    assert busy.step_s > free.step_s
+    assert busy.step_s <= free.step_s + 2e-9 * busy.bytes_sent + 1e-12   # at most all of it exposed
+    assert busy.bytes_sent == pytest.approx(free.bytes_sent)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "vgg99", "--out", "x.json"], "unknown model 'vgg99'"),
+    (["--model", "cnn", "--out", "x.json", "--codecs", "3bit"], "unknown compressor(s) ['3bit']"),
+    (["--model", "cnn"], "the following arguments are required: --out"),
+])
+def test_profile_cli_bad_input_is_one_line(args, expected, capsys, tmp_path):
+    from lowband.cli import main
+    rc = main(["profile", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and expected in err[0], err
