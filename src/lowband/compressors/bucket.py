@@ -259,7 +259,7 @@ class BucketCodec:
                 keep = torch.ones(n, dtype=torch.bool, device=g.device)
                 keep[int(skip[k, 0]):int(min(skip[k, 1], n))] = False
             chunk = torch.zeros(c, dtype=torch.float32, device=g.device)
-            chunk[:n] = g[src:src + n] if keep is None else g[src:src + n] * keep
+            chunk[:n] = g[src:src + n] if keep is None else torch.where(keep, g[src:src + n], 0.0)
             name = self.name_of(lay.names[s], i)
             if residual is None:
                 payload, ctx = self.codec.compress(chunk, name)

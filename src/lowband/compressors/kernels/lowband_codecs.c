@@ -158,7 +158,7 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
         for (int64_t j = 0; j < L; ++j) { float r = chunk_r(g, e, src, len, lo, hi, b0 + j); rv[j] = r; tmp[j] = r * r; }
     }
     float sq = canon_sum_inplace(tmp, L);
-    float t = sqrtf(sq / (float)L) * a;
+    float t = (float)sqrt((double)(sq / (float)L)) * a;   /* correctly rounded sqrt */
     if (t < FLT_MIN) t = FLT_MIN;       /* NaN stays NaN */
     float mt = -t;
     int64_t nf = 0;
