@@ -19,8 +19,10 @@ the exact ranges and the residual flushes; the byte flow is the collective's pla
 from __future__ import annotations
 
 import copy
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -83,21 +85,52 @@ PendingReduce = Handle
 
 
 class Pipeline:
-    """One background thread and one private process group: jobs run in submission order."""
+    """One background thread and one private process group: jobs run in submission order.
+
+    The thread is a daemon: a rank whose peer died must be able to report and exit while its
+    thread is still blocked in a collective. After a job fails, every later job fails at once
+    with the same cause (it could only hang or mismatch: the ranks' sequences diverged)."""
 
     def __init__(self, comm: Communicator, name: str = "lowband") -> None:
         self.caller = comm
         self.comm = Communicator(private_group(comm), comm.stats, time_waits=False)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-pipeline")
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._error: Optional[BaseException] = None
         self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-pipeline", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            if self._error is not None:
+                future.set_exception(RuntimeError(f"an earlier collective of this rank failed: {self._error!r}"))
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:   # delivered to whoever waits on the job
+                self._error = exc
+                future.set_exception(exc)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
 
     def submit(self, fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]], *args: Any) -> Handle:
         """Queue ``fn(*args)`` (returning ``(tensor, present)``) behind every earlier job."""
-        return Handle(self._executor.submit(fn, *args), self.caller)
+        return Handle(self._submit(fn, *args), self.caller)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the queue (after every earlier job) and return its result."""
-        return self._executor.submit(fn, *args).result()
+        return self._submit(fn, *args).result()
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> Handle:
         """fp32 average of a copy of ``tensor`` (no present flags: ``present`` stays None)."""
@@ -109,9 +142,14 @@ class Pipeline:
         return self.submit(job)
 
     def close(self) -> None:
-        if not self._closed:
-            self._executor.shutdown(wait=True)
-            self._closed = True
+        """Finish the queued jobs and stop the thread (idempotent; does not wait for a thread
+        stuck after a failure)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        if self._error is None:
+            self._thread.join()
 
 
 @dataclass

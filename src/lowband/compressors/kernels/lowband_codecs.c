@@ -161,10 +161,10 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
     float t = (float)sqrt((double)(sq / (float)L)) * a;   /* correctly rounded sqrt */
     if (t < FLT_MIN) t = FLT_MIN;       /* NaN stays NaN */
     float mt = -t;
-    int64_t nf = 0;
+    int32_t nf = 0;
     for (int64_t j = 0; j < L; ++j) {
         float m = fabsf(rv[j]);
-        int f = m >= t;
+        int32_t f = m >= t;
         nf += f;
         tmp[j] = f ? m : 0.0f;
     }
@@ -173,9 +173,13 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
     float *ep = e ? e + src + b0 : NULL;
     float *res = (simple && e) ? ep : tmp;
     for (int64_t j = 0; j < L; ++j) {
-        int p = rv[j] >= t, n = rv[j] <= mt;
+        float r = rv[j];
+        int32_t p = r >= t, n = r <= mt;
+        res[j] = r - (float)(p - n) * v;
+    }
+    for (int64_t j = 0; j < L; ++j) {
+        uint8_t p = rv[j] >= t, n = rv[j] <= mt;
         codes[j] = (uint8_t)(p * 3 + n * 2);
-        res[j] = rv[j] - (float)(p - n) * v;
     }
     if (e && !simple) {
         for (int64_t j = 0; j < L; ++j) {
