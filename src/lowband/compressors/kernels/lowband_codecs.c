@@ -257,25 +257,34 @@ static inline void pack_bits8(const uint8_t *bits, int64_t m, uint8_t *out) {
 
 int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
                      const int64_t *skip, int32_t *dst) {
-    int64_t maxc = 0;
-    for (int64_t k = 0; k < nruns; ++k)
-        if (runs[RUN_COLS * k + RUN_C] > maxc) maxc = runs[RUN_COLS * k + RUN_C];
-    float *tmp = (float *)malloc((size_t)(maxc > 0 ? maxc : 1) * sizeof(float));
-    if (!tmp) return -1;
+    int64_t maxrows = 1;
+    for (int64_t k = 0; k < nruns; ++k) {
+        int64_t rows = (runs[RUN_COLS * k + RUN_C] + ROW - 1) / ROW;
+        if (rows > maxrows) maxrows = rows;
+    }
+    float *part = (float *)malloc((size_t)maxrows * sizeof(float));   /* row sums */
+    if (!part) return -1;
     uint8_t bits[GROUP];
+    float row[ROW];
     for (int64_t k = 0; k < nruns; ++k) {
         const int64_t *r = runs + RUN_COLS * k;
         int64_t src = r[RUN_SRC], len = r[RUN_LEN], c = r[RUN_C];
         int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
         uint8_t *words = (uint8_t *)(dst + r[RUN_WORD]);
         int simple = hi <= lo || hi <= 0 || lo >= len;
-        if (simple) {
-            abs_r(g + src, e ? e + src : NULL, len, tmp);
-            memset(tmp + len, 0, (size_t)(c - len) * sizeof(float));
-        } else {
-            for (int64_t j = 0; j < c; ++j) tmp[j] = fabsf(chunk_r(g, e, src, len, lo, hi, j));
+        /* canonical sum of |r|: fold each 256-row, then the row sums */
+        int64_t rows = (c + ROW - 1) / ROW;
+        for (int64_t q = 0; q < rows; ++q) {
+            int64_t j0 = q * ROW, m = c - j0 < ROW ? c - j0 : ROW;
+            if (simple && j0 + m <= len) {
+                abs_r(g + src + j0, e ? e + src + j0 : NULL, m, row);
+            } else {
+                for (int64_t j = 0; j < m; ++j) row[j] = fabsf(chunk_r(g, e, src, len, lo, hi, j0 + j));
+            }
+            if (m < ROW) memset(row + m, 0, (size_t)(ROW - m) * sizeof(float));
+            part[q] = fold256(row);
         }
-        float scale = canon_sum_inplace(tmp, c) / (float)(c > 1 ? c : 1);
+        float scale = canon_sum_inplace(part, rows) / (float)(c > 1 ? c : 1);
         int64_t nw = (c + 31) / 32;
         for (int64_t j0 = 0; j0 < nw * 32; j0 += GROUP) {
             int64_t m = nw * 32 - j0 < GROUP ? nw * 32 - j0 : GROUP;
@@ -295,7 +304,7 @@ int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nrun
         }
         *(float *)(dst + r[RUN_SCALE]) = scale;
     }
-    free(tmp);
+    free(part);
     return 0;
 }
 
