@@ -6,10 +6,19 @@ included. ``copy_`` into a preallocated buffer is shown as well, because the EF 
 its residual in place and so pays no allocation. Timings are the minimum over ``--reps``
 repetitions after one warm-up call, which filters noise from other processes.
 
+The default table is the fused bucket codecs the collectives use (``--table bucket``): 2-bit
+with error feedback in both modes and 1-bit, encoding (a) one flat tensor of 1M and 25M
+elements and (b) the real compressed buckets of ``cnn`` and ``resnet20`` (1 MiB buckets of the
+weights, every parameter its own segment) in the two-stage layout of N simulated workers (every
+segment cut into N chunks, each with its own scales), and decoding-and-averaging the N workers'
+payloads of one rank's chunks (bandwidth = decoded fp32 bytes, N versions counted). Kernels:
+native unless ``LOWBAND_CODEC_KERNELS=torch``. ``--table tensor`` is the per-tensor API of every
+codec (``compress``/``decompress``).
+
 Usage::
 
-    PYTHONPATH=src python benchmarks/codecs.py            # 1M and 25M elements
-    PYTHONPATH=src python benchmarks/codecs.py --quick    # 1M only, fewer reps
+    PYTHONPATH=src python benchmarks/codecs.py                          # bucket codecs
+    PYTHONPATH=src python benchmarks/codecs.py --table tensor --quick   # every codec, 1M
 """
 
 from __future__ import annotations
@@ -85,8 +94,69 @@ def run(sizes: list[int], reps: int, names: list[str]) -> str:
     return "\n".join(lines)
 
 
+BUCKET_CODECS = [("2bit MXNet (threshold 0.5)", "2bit", {"threshold": 0.5}),
+                 ("2bit scale-aware (relative 1, block 256)", "2bit", {"relative": 1.0, "scale_block": 256}),
+                 ("1bit", "1bit", {})]
+
+
+def model_buckets(name: str, bucket_mb: float = 1.0) -> list[list[tuple[str, int]]]:
+    """The compressed buckets of a model as the ``compressed`` algorithm plans them."""
+    from lowband.algorithms.buckets import plan_keyed_buckets
+    from lowband.models import make_model
+    named = list(make_model(name).named_parameters())
+    params = [p for _, p in named]
+    dense = {i for i, p in enumerate(params) if p.dim() > 1}
+    groups = plan_keyed_buckets(params, range(len(params)), int(bucket_mb * (1 << 20)), key=lambda i: i in dense)
+    return [[(named[i][0], params[i].numel()) for i in g] for k, g in groups if k]
+
+
+def run_buckets(sizes: list[int], models: list[str], workers: list[int], reps: int) -> str:
+    from lowband.collectives.compressed import make_plan
+    lines = ["| input | layout | codec | encode+EF GB/s | x clone | decode+average GB/s | x clone |",
+             "|---|---|---|---|---|---|---|"]
+    gen = torch.Generator().manual_seed(0)
+    cases = [(f"{n:,} elements", [[("x", n)]], [1]) for n in sizes]
+    cases += [(f"{m} buckets", model_buckets(m), workers) for m in models]
+    for label, buckets, ns in cases:
+        total = sum(n for b in buckets for _, n in b)
+        x = torch.randn(total, generator=gen)
+        clone_bw = total * FP32_BYTES / GB / best_time(lambda: x.clone(), reps)
+        lines.append(f"| {label} ({total:,}) | | torch.clone | {clone_bw:.2f} | 1.00 | | |")
+        for world in ns:
+            for title, codec_name, options in BUCKET_CODECS:
+                codec = make_compressor(codec_name, **options)
+                plans = [make_plan("two-stage", world, 0, b, codec) for b in buckets]
+                gs, es, sends, recvs, avgs = [], [], [], [], []
+                offset = 0
+                for p in plans:
+                    gs.append(x[offset:offset + p.numel])
+                    offset += p.numel
+                    es.append(torch.zeros(p.numel))
+                    sends.append(torch.zeros(world * p.layout.section, dtype=torch.uint8))
+                    avgs.append(torch.empty(p.server_layout.total))
+
+                def encode():
+                    for p, g, e, out in zip(plans, gs, es, sends):
+                        p.worker.encode(g, e, out)
+
+                def decode():
+                    for p, src, out in zip(plans, sends, avgs):
+                        p.worker.decode(src, world, p.dec1, p.dec1_table, out, True, float(world))
+                enc_bw = total * FP32_BYTES / GB / best_time(encode, reps)
+                decoded = world * sum(int(p.server_layout.total) for p in plans)
+                dec_bw = decoded * FP32_BYTES / GB / best_time(decode, reps)
+                layout = "flat, N=1" if world == 1 else f"two-stage, N={world}"
+                lines.append(f"| {label} | {layout} | {title} | {enc_bw:.2f} | {enc_bw / clone_bw:.2f} | "
+                             f"{dec_bw:.2f} | {dec_bw / clone_bw:.2f} |")
+                print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--table", choices=["bucket", "tensor"], default="bucket")
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet20"])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 32])
     parser.add_argument("--quick", action="store_true", help="1M elements only, 3 reps")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     parser.add_argument("--reps", type=int, default=5)
@@ -102,8 +172,13 @@ def main(argv: list[str] | None = None) -> None:
           f"input N(0,1) fp32; options: {BENCH_OPTIONS}")
     if hasattr(os, "getloadavg"):  # other processes on the host skew the numbers; say so
         print(f"host load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    from lowband.compressors import kernels
+    print(f"codec kernels: {'native' if kernels.library() is not None else 'torch'}")
     print()
-    print(run(args.sizes, args.reps, args.codecs))
+    if args.table == "bucket":
+        print(run_buckets(args.sizes, args.models, args.workers, args.reps))
+    else:
+        print(run(args.sizes, args.reps, args.codecs))
 
 
 if __name__ == "__main__":

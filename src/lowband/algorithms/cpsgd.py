@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ..collectives.compressed import PendingReduce, make_collective
+from ..pipeline import PendingReduce, make_collective
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from ..compressors import build_compressor

@@ -1,0 +1,194 @@
+"""Fused bucket codecs: native kernels against the torch path (bit for bit) and against a
+per-element reference, for segment sizes that are not multiples of 16 or of N."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lowband.compressors import kernels, make_compressor
+from lowband.compressors.bucket import BucketCodec, ChunkedLayout, _ChunkFormat, skip_ranges
+from lowband.compressors.sums import canonical_sum
+
+CODECS = [
+    ("2bit", {"threshold": 0.5}),
+    ("2bit", {"threshold": 1e-3}),
+    ("2bit", {"relative": 1.0, "scale_block": 256}),
+    ("2bit", {"relative": 0.7, "scale_block": 100}),
+    ("2bit", {"relative": 1.3, "scale_block": 16}),
+    ("2bit", {"relative": 1.0}),
+    ("1bit", {}),
+]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _lib():
+    lib = kernels.library()
+    if lib is None:
+        pytest.fail(f"native kernels missing: {kernels.unavailable_reason()} (reinstall with a C compiler)")
+    return lib
+
+
+def _codec(case):
+    fmt_codec = make_compressor(case[0], **case[1])
+    fmt = _ChunkFormat(fmt_codec)
+    return fmt_codec, fmt
+
+
+def _bucket(case, sizes, chunks):
+    codec, fmt = _codec(case)
+    layout = ChunkedLayout.build([(f"p{k}", n) for k, n in enumerate(sizes)], chunks, fmt)
+    return BucketCodec(codec, fmt, layout, lambda s, i: f"{s}/chunk{i}")
+
+
+def _data(n, seed, nan=False):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen) * torch.rand(1, generator=gen)
+    e = torch.randn(n, generator=gen) * 0.3
+    if nan and n:
+        g[seed % n] = float("nan")
+    return g, e
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _skip(bc, lo, hi, absent_first):
+    enc = bc.enc
+    absent = None
+    if absent_first:
+        absent = np.zeros(bc.layout.segments, dtype=bool)
+        absent[0] = True
+    return skip_ranges(enc.src, enc.length, enc.c, enc.seg, lo, hi, absent)
+
+
+def _both_encodes(bc, g, e, skip):
+    lib = _lib()
+    outs = []
+    for native in (True, False):
+        out = torch.zeros(bc.layout.chunks * bc.layout.section, dtype=torch.uint8)
+        res = None if e is None else e.clone()
+        if native:
+            bc._encode_native(lib, g, res, out, skip)
+        else:
+            bc._encode_torch(g, res, out, skip)
+        outs.append((out, res))
+    return outs
+
+
+sizes_st = st.lists(st.integers(1, 700), min_size=1, max_size=5)
+
+
+@SETTINGS
+@given(case=st.sampled_from(CODECS), sizes=sizes_st, chunks=st.integers(1, 7), seed=st.integers(0, 2**20),
+       ef=st.booleans(), skip=st.tuples(st.integers(0, 3000), st.integers(0, 3000), st.booleans()),
+       nan=st.booleans())
+def test_native_encode_equals_torch_path(case, sizes, chunks, seed, ef, skip, nan):
+    bc = _bucket(case, sizes, chunks)
+    g, e = _data(bc.layout.total, seed, nan)
+    lo, hi = sorted(skip[:2])
+    sk = _skip(bc, lo, hi, skip[2])
+    (o1, e1), (o2, e2) = _both_encodes(bc, g, e if ef else None, sk)
+    assert torch.equal(o1, o2)
+    if ef:
+        assert torch.equal(torch.isnan(e1), torch.isnan(e2))
+        fin = ~torch.isnan(e1)
+        assert torch.equal(_bits(e1[fin]), _bits(e2[fin]))
+        if sk is not None:   # skipped elements keep their residual
+            runs = bc.enc
+            for k in range(runs.count):
+                a, b = int(sk[k, 0]), int(min(sk[k, 1], runs.length[k]))
+                src = int(runs.src[k])
+                assert torch.equal(_bits(e1[src + a:src + b]), _bits(e[src + a:src + b]))
+
+
+def _reference_mxnet(g, e, t, layout):
+    """Per-element MXNet 2-bit with error feedback on the two-stage layout (numpy)."""
+    t = np.float32(t)
+    e = e.numpy().copy()
+    g = g.numpy()
+    out = np.zeros(layout.chunks * layout.section, dtype=np.uint8)
+    for s in range(layout.segments):
+        n, c, off = int(layout.numel[s]), int(layout.chunk[s]), int(layout.seg_off[s])
+        for i in range(layout.chunks):
+            base = i * layout.section + int(layout.pay_off[s])
+            for j in range(c):
+                k = i * c + j
+                r = np.float32(e[off + k] + g[off + k]) if k < n else np.float32(0)
+                code = 3 if r >= t else (2 if r <= -t else 0)
+                if k < n:
+                    e[off + k] = r - t if code == 3 else (r + t if code == 2 else r)
+                out[base + j // 4] |= code << (6 - 2 * (j % 4))
+    return out, torch.from_numpy(e)
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 90), min_size=1, max_size=4), chunks=st.integers(1, 5), seed=st.integers(0, 2**20))
+def test_fused_mxnet_equals_per_element_reference(sizes, chunks, seed):
+    bc = _bucket(("2bit", {"threshold": 0.4}), sizes, chunks)
+    g, e = _data(bc.layout.total, seed)
+    (o1, e1), _ = _both_encodes(bc, g, e, None)
+    ref_out, ref_e = _reference_mxnet(g, e, 0.4, bc.layout)
+    flag_mask = np.ones(len(ref_out), dtype=bool)
+    for i in range(chunks):   # flags are written by the collective, not by encode
+        flag_mask[i * bc.layout.section + bc.layout.flag_off:(i + 1) * bc.layout.section] = False
+    assert np.array_equal(o1.numpy()[flag_mask], ref_out[flag_mask])
+    assert torch.equal(_bits(e1), _bits(ref_e))
+
+
+@SETTINGS
+@given(case=st.sampled_from(CODECS), sizes=sizes_st, chunks=st.integers(1, 6), sources=st.integers(1, 5),
+       seed=st.integers(0, 2**20), from_zero=st.booleans(), divisor=st.sampled_from([1.0, 3.0, 7.0]))
+def test_native_decode_accumulate_equals_torch_path(case, sizes, chunks, sources, seed, from_zero, divisor):
+    bc = _bucket(case, sizes, chunks)
+    lay = bc.layout
+    # payload sections of `sources` different inputs: chunk 0 of every segment in each
+    payload = torch.zeros(sources * lay.section, dtype=torch.uint8)
+    for q in range(sources):
+        g, e = _data(lay.total, seed + q)
+        out = torch.zeros(chunks * lay.section, dtype=torch.uint8)
+        bc._encode_torch(g, e, out, None)
+        payload[q * lay.section:(q + 1) * lay.section] = out[:lay.section]
+    S = lay.segments
+    zeros = np.zeros(S, dtype=np.int64)
+    runs = bc.runs(np.arange(S), zeros, zeros, np.concatenate([[0], np.cumsum(lay.chunk)[:-1]]), lay.chunk)
+    table = runs.decode_table()
+    total = int(lay.chunk.sum())
+    got, ref = torch.full((total,), 5.0), torch.full((total,), 5.0)
+    lib = _lib()
+    lib.lb_decode(bc.kind, payload.data_ptr(), lay.section // 4, sources, table.ctypes.data, runs.count,
+                  float(bc.codec.threshold or 0.0) if bc.kind == 0 else 0.0,
+                  int(getattr(bc.codec, "scale_block", None) or 0) if bc.kind == 1 else 0,
+                  int(from_zero), divisor, got.data_ptr())
+    kernels_mode = kernels.mode
+    try:
+        kernels.mode = lambda: "torch"
+        bc.decode(payload, sources, runs, table, ref, from_zero, divisor)
+    finally:
+        kernels.mode = kernels_mode
+    assert torch.equal(_bits(got), _bits(ref))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.one_of(st.integers(0, 1000), st.integers(60000, 70000)), seed=st.integers(0, 2**20))
+def test_canonical_sum_native_equals_torch(n, seed):
+    x = torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 10
+    native = _lib().lb_canon_sum(ctypes.c_void_p(x.data_ptr()), n)
+    assert np.float32(native).view(np.int32) == canonical_sum(x).view(torch.int32).item()
+    assert abs(float(native) - float(x.double().sum())) <= 1e-4 * max(1.0, float(x.double().sum()))
+
+
+def test_kernel_mode_variable(monkeypatch):
+    monkeypatch.setenv(kernels.ENV, "torch")
+    assert kernels.library() is None
+    monkeypatch.setenv(kernels.ENV, "bogus")
+    with pytest.raises(ValueError, match="LOWBAND_CODEC_KERNELS"):
+        kernels.library()
+    monkeypatch.setenv(kernels.ENV, "auto")
+    bc = _bucket(CODECS[0], [33], 2)
+    assert bc.uses_native(torch.zeros(1)) == (kernels.library() is not None)
