@@ -121,8 +121,9 @@ def test_alpha0_no_correction_is_stale_compressed_sgd_with_error_feedback():
 
 def test_compressed_with_corrections_matches_simulation():
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
-    options = {"warmup_steps": 2, "correction_period": 3, "local_update": "sgd", "local_lr": LR,
-               "collective": "allgather", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB}
+    options = {"warmup_steps": 2, "correction_period": 3, "correction": "burst", "local_update": "sgd",
+               "local_lr": LR, "collective": "allgather", "compressor_options": codec["options"],
+               "bucket_mb": BUCKET_MB}
     results = run_distributed(_run_lowband, 2, options)
     reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec)
     for ours in results:

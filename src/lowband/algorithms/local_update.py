@@ -167,7 +167,7 @@ class TentativeStep:
         opt, params = self.optimizer, self.params
         saved_state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
                        for p, st in opt.state.items()}
-        in_place = all(o is p for o, p in zip(out, params))
+        in_place = all(o.data_ptr() == p.data_ptr() for o, p in zip(out, params))
         saved_values = None if in_place else [p.detach().clone() for p in params]
         saved_grads = [p.grad for p in params]
         for p, s, g in zip(params, start, grads):
