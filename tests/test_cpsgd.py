@@ -164,7 +164,8 @@ def test_k1_is_delayed_full_precision_sgd_with_local_compensation(world):
 def test_alpha0_no_correction_is_stale_compressed_sgd_with_error_feedback():
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
     options = {"warmup_steps": 2, "correction_period": None, "local_update": "none", "collective": "allgather",
-               "compressor": "2bit", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB}
+               "compressor": "2bit", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB,
+               "compress_vectors": True}
     results = run_distributed(_run_lowband, 2, options)
     reference = simulate(2, warmup=2, k=None, alpha=0.0, codec=codec)
     for ours in results:
@@ -175,7 +176,7 @@ def test_compressed_with_corrections_matches_simulation():
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
     options = {"warmup_steps": 2, "correction_period": 3, "correction": "burst", "local_update": "sgd",
                "local_lr": LR, "collective": "allgather", "compressor_options": codec["options"],
-               "bucket_mb": BUCKET_MB}
+               "bucket_mb": BUCKET_MB, "compress_vectors": True}
     results = run_distributed(_run_lowband, 2, options)
     reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec)
     for ours in results:
@@ -222,7 +223,8 @@ def _run_recording(rank: int, world: int, options: dict, steps: int = STEPS):
 def test_spread_correction_matches_simulation_and_sends_constant_bytes():
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
     base = {"warmup_steps": 2, "correction_period": 3, "local_update": "sgd", "local_lr": LR,
-            "collective": "allgather", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB}
+            "collective": "allgather", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB,
+            "compress_vectors": True}
     results = run_distributed(_run_recording, 2, {**base, "correction": "spread"})
     native = "exact" in inspect.signature(make_collective.__globals__["CompressedCollective"].start).parameters
     reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec, spread=True,

@@ -110,6 +110,9 @@ class CPSGD(Algorithm):
         min_period, max_period: bounds of the adaptive k.
         flush_residual_on_correction: False (faithful to the paper's code) leaves the residual
             untouched on exact elements; True adds it to the exact contribution and zeroes it.
+        compress_vectors: also compress 1-D parameters (biases, BatchNorm scales). Off by
+            default, as in ``compressed``: they are <1% of the elements of typical convnets, and
+            their gradients matter more per element; they then always travel in fp32.
         local_update: how w is formed from W_{t-1} and the worker's own gradient g_t:
             ``"optimizer"``: a tentative step of the user's optimizer from W with g_t (momentum
             and weight decay included; closed form for SGD and Adam/AdamW, no state change);
@@ -122,13 +125,14 @@ class CPSGD(Algorithm):
     compressor_options: dict[str, Any] = field(default_factory=dict)
     collective: str = "two-stage"
     bucket_mb: float = 1.0
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     correction: str = "spread"
     correction_period: Optional[int] = 5
     adapt_period: bool = False
     min_period: int = 2
     max_period: int = 32
     flush_residual_on_correction: bool = False
+    compress_vectors: bool = False
     local_update: str = "optimizer"
     local_lr: Optional[float] = None
 
@@ -146,7 +150,7 @@ class CPSGD(Algorithm):
             raise ValueError(f"cpsgd: correction_period must be an integer >= 1 or None, got {k!r}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"cpsgd: correction must be one of {CORRECTIONS}, got {self.correction!r}")
-        for knob in ("adapt_period", "flush_residual_on_correction"):
+        for knob in ("adapt_period", "flush_residual_on_correction", "compress_vectors"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"cpsgd: {knob} must be True or False, got {getattr(self, knob)!r}")
         if self.adapt_period and (k is None or self.min_period > self.max_period):
@@ -168,6 +172,13 @@ class CPSGD(Algorithm):
         self.native = "exact" in start and "present" in start
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
+        # element ranges of 1-D parameters, per bucket: always averaged exactly (unless compress_vectors)
+        self.vector_ranges = [[] if self.compress_vectors else
+                              [(o, o + ctx.params[i].numel()) for i, o in zip(b.param_indices, b.offsets)
+                               if ctx.params[i].dim() <= 1] for b in self.buckets.buckets]
+        if self.flush_residual_on_correction and self.correction == "spread" and not self.native:
+            raise ValueError("cpsgd: flush_residual_on_correction with the spread correction needs a reducer "
+                             "with start(..., exact=, flush_exact=)")
         self.warmup = Warmup(self.warmup_steps)
         self.controller = PeriodController(self.min_period, self.max_period)
         self.tentative = TentativeStep(ctx.optimizer, ctx.params)
@@ -226,6 +237,8 @@ class CPSGD(Algorithm):
             flight.add_flags(b)
             return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush)
         exact = self.exact_range(b, t)
+        for r in self.vector_ranges[b.index]:           # taken before the share (see _InFlight.result)
+            flight.add_exact(b, r, take=True)
         if exact is not None:
             flight.add_exact(b, exact, take=not self.native)
         if self.native:
@@ -402,8 +415,8 @@ class _InFlight:
     def __init__(self, algo: CPSGD):
         self.algo = algo
         self.handles: list = []
-        self.ranges: list[tuple[int, int, int]] = []          # (bucket, lo, hi) sent exact
-        self.taken: list[torch.Tensor] = []                    # side channel: their values
+        self.ranges: list[tuple[int, int, int]] = []          # (bucket, lo, hi) averaged exactly
+        self.taken: list[tuple[int, int, int, torch.Tensor]] = []   # those on the side channel, with values
         self.flag_parts: list[tuple[int, torch.Tensor]] = []
         self.side = None
         self.measure: Optional[torch.Tensor] = None            # agreed means of the measurements
@@ -425,13 +438,13 @@ class _InFlight:
         lo, hi = exact
         self.ranges.append((b.index, lo, hi))
         if take:
-            self.taken.append(b.grads[lo:hi].clone())
+            self.taken.append((b.index, lo, hi, b.grads[lo:hi].clone()))
             b.grads[lo:hi].zero_()
 
     def seal(self, handles: list, measure: Optional[torch.Tensor]) -> None:
         """All buckets are launched: send the side channel (if any) behind them."""
         self.handles = handles
-        parts = list(self.taken) + [f for _, f in self.flag_parts]
+        parts = [x for *_, x in self.taken] + [f for _, f in self.flag_parts]
         if measure is not None:
             parts.append(measure)
             self._n_measure = measure.numel()
@@ -447,10 +460,14 @@ class _InFlight:
         present = [getattr(h, "present", None) for h in self.handles] if algo.native else [None] * len(buckets)
         if self.side is not None:
             side = self.side.wait()
-            off = 0
-            for (bi, lo, hi), _ in zip(self.ranges, self.taken):
-                outs[bi][lo:hi] = side[off:off + hi - lo]
+            offsets, off = [], 0
+            for bi, lo, hi, _ in self.taken:
+                offsets.append(off)
                 off += hi - lo
+            # written in reverse order of taking: a share taken after a 1-D parameter's range
+            # carries zeros there, and the parameter's own values must win
+            for (bi, lo, hi, _), o in reversed(list(zip(self.taken, offsets))):
+                outs[bi][lo:hi] = side[o:o + hi - lo]
             for bi, f in self.flag_parts:
                 present[bi] = side[off:off + f.numel()] > 0
                 off += f.numel()
@@ -471,26 +488,29 @@ class _InFlight:
 def _measurement(flight: _InFlight, grads, local, params) -> torch.Tensor:
     """This rank's (d, n_compressed, v, n_exact) of :class:`PeriodController` for the step
     ``flight`` carried; ``local`` are this rank's gradients of that step."""
-    exact: dict[int, list[tuple[int, int]]] = {}
+    masks: dict[int, torch.Tensor] = {}
+    buckets = flight.algo.buckets.buckets
     for bi, lo, hi in flight.ranges:
-        exact.setdefault(bi, []).append((lo, hi))
+        if bi not in masks:
+            masks[bi] = torch.zeros(buckets[bi].numel, dtype=torch.bool)
+        masks[bi][lo:hi] = True
     d = v = n_e = n_c = 0.0
     with torch.no_grad():
-        for b in flight.algo.buckets.buckets:
-            ranges = exact.get(b.index, [])
+        for b in buckets:
+            mask = masks.get(b.index)
             for k, i in enumerate(b.param_indices):
                 G, g = grads[i], local[i]
                 if G is None:
                     continue
                 sq = ((G - g) if g is not None else G).reshape(-1).square()
-                a, z = b.offsets[k], b.offsets[k] + params[i].numel()
+                total = float(sq.sum())
                 ex_sum, ex_n = 0.0, 0
-                for lo, hi in ranges:
-                    lo2, hi2 = max(a, lo) - a, min(z, hi) - a
-                    if hi2 > lo2:
-                        ex_sum += float(sq[lo2:hi2].sum())
-                        ex_n += hi2 - lo2
-                d += float(sq.sum()) - ex_sum
+                if mask is not None:
+                    m = mask[b.offsets[k]:b.offsets[k] + params[i].numel()]
+                    ex_n = int(m.sum())
+                    if ex_n:
+                        ex_sum = float(sq[m].sum())
+                d += total - ex_sum
                 n_c += sq.numel() - ex_n
                 v += ex_sum
                 n_e += ex_n
