@@ -8,6 +8,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import lowband
 from lowband.collectives.compressed import make_collective
@@ -247,3 +248,56 @@ def test_bad_options():
         lowband.CPSGD(local_update="magic")
     with pytest.raises(ValueError, match="unknown compressor"):
         lowband.CPSGD(compressor="9bit")
+
+
+class PartlyUsed(nn.Module):
+    """SmallNet plus a layer no rank uses and a layer (2-D weight and 1-D bias) only rank 0 uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = SmallNet()
+        self.unused = nn.Linear(3, 3)
+        self.partial = nn.Linear(10, 10)
+
+    def forward(self, x, use_partial: bool):
+        out = self.net(x)
+        return self.partial(out) if use_partial else out
+
+
+def _unused(rank: int, world: int, options: dict):
+    torch.manual_seed(0)
+    model = PartlyUsed()
+    opt = sgd(model)
+    engine = lowband.distribute(model, opt, "cpsgd", **options)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    it, seen = batches(rank, world).epoch(0), []
+    for _ in range(STEPS):
+        x, y = next(it)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x, use_partial=rank == 0), y).backward()
+        engine.step()
+        W = engine.algorithm.global_parameters() or list(model.parameters())
+        names = [n for n, _ in model.named_parameters()]
+        for n, p, g in zip(names, model.parameters(), W):
+            if n.startswith("unused."):
+                assert p.grad is None, (n, engine.algorithm.t)
+                assert torch.equal(p.detach(), start[n]) and torch.equal(g, start[n]), (n, engine.algorithm.t)
+        seen.append({n: g.detach().clone() for n, g in zip(names, W) if n.startswith("partial.")})
+    engine.synchronize()
+    engine.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, start, seen
+
+
+@pytest.mark.parametrize("correction", ["spread", "burst"])
+def test_parameters_no_rank_used_stay_put_and_partly_used_ones_agree(correction):
+    options = {"warmup_steps": 3, "correction": correction, "correction_period": 2, "bucket_mb": BUCKET_MB}
+    (final0, start, seen0), (final1, _, seen1) = run_distributed(_unused, 2, options)
+    for n in final0:
+        assert torch.equal(final0[n], final1[n]), n           # replicas agree, warm-up and pipeline alike
+    for step0, step1 in zip(seen0, seen1):                     # the global model agrees at every step
+        for n in step0:
+            assert torch.equal(step0[n], step1[n]), n
+    assert not torch.equal(final0["partial.weight"], start["partial.weight"])   # used on rank 0: trained
+    assert not torch.equal(final0["partial.bias"], start["partial.bias"])
+    for n in ("unused.weight", "unused.bias"):
+        assert torch.equal(final0[n], start[n])
