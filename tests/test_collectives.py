@@ -1,108 +1,211 @@
-"""Compressed collectives against plain all-reduce and against per-payload decoding (gloo).
+"""Compressed reducers (gloo) against plain all-reduce and against a slow per-chunk reference.
 
-Spawning a process group costs seconds, so each world size is spawned once (``_all_checks``)
-and the tests assert on its cached results."""
+The reference (``_reference``) follows the collectives' definition literally: every rank's
+segments zero-padded to N chunks, each chunk compressed on its own by the per-tensor codec with
+its residual, the owner decoding and averaging the N versions, re-compressing with its server
+residual, every rank decoding the owners' chunks. Each rank can compute it for all ranks
+(inputs are seeded), so a rank checks the real collective bit for bit against it.
+
+Spawning a process group costs seconds, so each world size is spawned once per kernel mode
+(``_all_checks``) and the tests assert on its cached results."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from lowband.collectives.communicator import Communicator
-from lowband.collectives.compressed import AllgatherCollective, TwoStageAllreduce
-from lowband.compressors import ErrorFeedback, make_compressor
+from lowband.compressors import kernels, make_compressor
+from lowband.pipeline import make_reducer
 
 from .distributed import run_distributed
 
 SIZES = [1, 7, 16, 33, 1000, 4099]
+SEGMENTS = [("w1", 1), ("w2", 37), ("w3", 1000), ("w4", 16), ("w5", 4099), ("w6", 5)]
+CODECS = [("2bit", {"threshold": 0.5}), ("2bit", {"relative": 1.0, "scale_block": 256}),
+          ("2bit", {"relative": 0.8, "scale_block": 100}), ("1bit", {})]
+ALLGATHER_EXTRA = [("randomk", {"ratio": 0.25})]
+BYTES_CASES = [("2bit", {"threshold": 0.01}, 1 / 12), ("2bit", {"relative": 1.0, "scale_block": 256}, 1 / 12),
+               ("1bit", {}, 1 / 24)]
+BYTES_N, BYTES_WORLD = 1_000_003, 4
+STEPS = 3
 
 
-def _identity_equals_allreduce(rank: int, world: int):
-    comm = Communicator()
+def _inputs(rank: int, step: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(97 * rank + 13 * step + n))
+
+
+def _chunk_encode(codec, e_seg, g_seg, lo, c, name):
+    """Per-chunk error-feedback encode of real elements [lo, lo+c) of one segment (zero-padded)."""
+    n = max(0, min(c, g_seg.numel() - lo))
+    buf, add = torch.zeros(c), torch.zeros(c)
+    buf[:n], add[:n] = e_seg[lo:lo + n], g_seg[lo:lo + n]
+    payload, ctx = codec.compress_residual_(buf, name, add=add)
+    e_seg[lo:lo + n] = buf[:n]
+    return payload, ctx
+
+
+def _reference(kind: str, world: int, codec_name: str, options: dict, segments, steps):
+    """Every rank's output of every step, by the definition (see the module docstring)."""
+    workers = [make_compressor(codec_name, **options) for _ in range(world)]
+    servers = [make_compressor(codec_name, **options) for _ in range(world)]
+    e_w = [{s: torch.zeros(n) for s, n in segments} for _ in range(world)]
+    e_s = [{s: torch.zeros(-(-n // world)) for s, n in segments} for _ in range(world)]
+    outs = []
+    for step in range(steps):
+        xs = [_inputs(r, step, sum(n for _, n in segments)) for r in range(world)]
+        out, offset = [], 0
+        for s, n in segments:
+            gs = [x[offset:offset + n] for x in xs]
+            offset += n
+            if kind == "allgather":
+                pls = [_chunk_encode(workers[r], e_w[r][s], gs[r], 0, n, s) for r in range(world)]
+                total = torch.zeros(n)
+                for pl, ctx in pls:
+                    total += workers[0].decompress(pl, ctx).reshape(-1)
+                out.append(total / world)
+                continue
+            c = -(-n // world)
+            pls = [[_chunk_encode(workers[r], e_w[r][s], gs[r], i * c, c, f"{s}/chunk{i}") for i in range(world)]
+                   for r in range(world)]
+            full = torch.zeros(world * c)
+            for i in range(world):   # owner i
+                avg = torch.zeros(c)
+                for r in range(world):
+                    pl, ctx = pls[r][i]
+                    avg += workers[i].decompress(pl, ctx).reshape(-1)
+                avg /= world
+                buf = e_s[i][s]
+                spl, sctx = servers[i].compress_residual_(buf, f"{s}/server", add=avg)
+                full[i * c:(i + 1) * c] = servers[i].decompress(spl, sctx).reshape(-1)
+            out.append(full[:n])
+        outs.append(torch.cat(out))
+    return outs
+
+
+def _identity(rank: int, world: int):
     out = []
-    for cls in (AllgatherCollective, TwoStageAllreduce):
-        coll = cls(comm, make_compressor("none"))
+    for kind in ("allgather", "two-stage"):
+        red = make_reducer(kind, Communicator(), make_compressor("none"))
         for n in SIZES:
             x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + n))
             ref = x.clone()
             dist.all_reduce(ref)
             ref /= world
-            got = coll.reduce(x, f"t{n}")
-            out.append((cls.name, n, float((got - ref).abs().max())))
-        coll.close()
+            out.append((kind, n, float((red.reduce(x, f"t{n}") - ref).abs().max())))
+        red.close()
     return out
 
 
-ALLGATHER_CASES = [("2bit", {"threshold": 0.5}), ("1bit", {}), ("randomk", {"ratio": 0.25})]
-BYTES_CASES = [("2bit", {"threshold": 0.01}, 1 / 12), ("2bit", {"relative": 1.0, "scale_block": 256}, 1 / 12),
-               ("1bit", {}, 1 / 24)]
-BYTES_N, BYTES_WORLD = 1_000_003, 4
+def _matches_reference(rank: int, world: int, kind: str, codec: str, options: dict):
+    from lowband.compressors import ErrorFeedback
+    comm = Communicator()
+    red = make_reducer(kind, comm, ErrorFeedback(make_compressor(codec, **options)))
+    total = sum(n for _, n in SEGMENTS)
+    got = [red.reduce(_inputs(rank, step, total), "b", SEGMENTS) for step in range(STEPS)]
+    ref = _reference(kind, world, codec, options, SEGMENTS, STEPS)
+    state = red.state_dict()
+    red.close()
+    same = [torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, ref)]
+    return same, comm.stats.snapshot()["by_op"], sorted(state["worker"])
 
 
-def _all_checks(rank: int, world: int) -> dict:
-    out = {"identity": _identity_equals_allreduce(rank, world)}
-    if world in (2, 3):
-        for codec, options in ALLGATHER_CASES:
-            out[("allgather", codec)] = _allgather_exact(rank, world, codec, options)
-    if world == BYTES_WORLD:
+def _present_and_exact(rank: int, world: int, kind: str):
+    """present flags travel with the payload; absent segments keep their residual; exact ranges
+    are the fp32 average and leave their residual alone."""
+    from lowband.compressors import ErrorFeedback
+    red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor("2bit", threshold=0.3)))
+    segs = [("a", 40), ("b", 33), ("c", 50)]
+    red.reduce(_inputs(rank, 0, 123), "b", segs)
+    e0 = red.state_dict()["worker"]
+    x = _inputs(rank, 1, 123)
+    x[40:73] *= float(rank == 0)
+    x[73:] = 0
+    h = red.start(x, "b", segs, present=torch.tensor([True, rank == 0, False]))
+    h.wait()
+    e1 = red.state_dict()["worker"]
+    kept = torch.equal(e1["c"], e0["c"]) and (rank == 0 or torch.equal(e1["b"], e0["b"]))
+    y = _inputs(rank, 2, 123)
+    lo, hi = 10, 60
+    out = red.start(y, "b", segs, exact=(lo, hi)).wait()
+    exact_ref = y[lo:hi].clone()
+    dist.all_reduce(exact_ref)
+    exact_ref /= world
+    e2 = red.state_dict()["worker"]
+    red.close()
+    flat1, flat2 = torch.cat([e1[s] for s, _ in segs]), torch.cat([e2[s] for s, _ in segs])
+    return (h.present.tolist(), torch.equal(out[lo:hi], exact_ref), kept,
+            torch.equal(flat1[lo:hi], flat2[lo:hi]), not torch.equal(flat1[hi:], flat2[hi:]))
+
+
+def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
+    from lowband.compressors import ErrorFeedback
+    comm = Communicator()
+    red = make_reducer("two-stage", comm, ErrorFeedback(make_compressor(codec, **options)))
+    red.reduce(torch.randn(n), "g")
+    red.close()
+    return comm.stats.bytes_sent
+
+
+def _all_checks(rank: int, world: int, mode: str) -> dict:
+    os.environ[kernels.ENV] = mode
+    out = {"identity": _identity(rank, world)}
+    for kind in ("allgather", "two-stage"):
+        for codec, options in CODECS + (ALLGATHER_EXTRA if kind == "allgather" else []):
+            out[(kind, codec, repr(options))] = _matches_reference(rank, world, kind, codec, options)
+        out[("present", kind)] = _present_and_exact(rank, world, kind)
+    if world == BYTES_WORLD and mode == "auto":
         for codec, options, _ in BYTES_CASES:
             out[("bytes", codec, repr(options))] = _bytes(rank, world, codec, options, BYTES_N)
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def _results(world: int) -> list[dict]:
-    return run_distributed(_all_checks, world)
+def _results(world: int, mode: str) -> list[dict]:
+    return run_distributed(_all_checks, world, mode)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_identity_compressor_equals_allreduce(world):
-    for rank_result in (r["identity"] for r in _results(world)):
+WORLDS = [(2, "auto"), (3, "auto"), (4, "auto"), (3, "torch")]
+
+
+@pytest.mark.parametrize("world, mode", WORLDS)
+def test_identity_compressor_equals_allreduce(world, mode):
+    for rank_result in (r["identity"] for r in _results(world, mode)):
         for name, n, err in rank_result:
             assert err < 1e-6, (name, n, err)
 
 
-def _allgather_exact(rank: int, world: int, codec: str, options: dict):
-    comm = Communicator()
-    coll = AllgatherCollective(comm, ErrorFeedback(make_compressor(codec, **options)))
-    # a twin codec on this rank reproduces what every rank sends (same seeds, same inputs)
-    twins = [ErrorFeedback(make_compressor(codec, **options)) for _ in range(world)]
-    results = []
-    for step in range(3):
-        for n in (5, 16, 301):
-            xs = [torch.randn(n, generator=torch.Generator().manual_seed(97 * r + 13 * step + n)) for r in range(world)]
-            got = coll.reduce(xs[rank], f"p{n}")
-            expected = torch.zeros(n)
-            for r in range(world):
-                payload, ctx = twins[r].compress(xs[r], f"p{n}")
-                expected += twins[r].decompress(payload, ctx).reshape(-1)
-            expected /= world
-            results.append(torch.equal(got, expected))
-    coll.close()
-    return results, comm.stats.snapshot()
+@pytest.mark.parametrize("world, mode", WORLDS)
+@pytest.mark.parametrize("kind", ["allgather", "two-stage"])
+def test_reducer_equals_per_chunk_reference_bit_for_bit(world, mode, kind):
+    results = _results(world, mode)
+    keys = [k for k in results[0] if isinstance(k, tuple) and k[0] == kind]
+    assert keys
+    for k in keys:
+        for same, by_op, names in (r[k] for r in results):
+            assert all(same), (k, same)
+            assert names == [s for s, _ in SEGMENTS]        # residuals keyed by parameter name
+            op = "all_gather" if kind == "allgather" else "all_to_all"
+            assert by_op[op][0] == STEPS                     # one collective per call, not per segment
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("codec, options", ALLGATHER_CASES)
-def test_allgather_is_exact_sum_of_decoded_payloads(world, codec, options):
-    for results, stats in (r[("allgather", codec)] for r in _results(world)):
-        assert all(results)
-        assert stats["by_op"]["all_gather"][0] == 9
-
-
-def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
-    comm = Communicator()
-    coll = TwoStageAllreduce(comm, ErrorFeedback(make_compressor(codec, **options)))
-    coll.reduce(torch.randn(n), "g")
-    coll.close()
-    return comm.stats.bytes_sent
+@pytest.mark.parametrize("world, mode", WORLDS)
+@pytest.mark.parametrize("kind", ["allgather", "two-stage"])
+def test_present_flags_and_exact_ranges(world, mode, kind):
+    for flags, exact_ok, absent_kept, exact_kept, rest_moved in (r[("present", kind)] for r in _results(world, mode)):
+        assert flags == [True, True, False]
+        assert exact_ok
+        assert absent_kept          # residuals of segments absent on this rank are untouched
+        assert exact_kept           # ... and of the exact range
+        assert rest_moved           # while the compressed elements' residuals evolve
 
 
 @pytest.mark.parametrize("codec, options, bound", BYTES_CASES)
 def test_two_stage_bytes_per_rank_at_4_workers(codec, options, bound):
-    sent = [r[("bytes", codec, repr(options))] for r in _results(BYTES_WORLD)]
+    sent = [r[("bytes", codec, repr(options))] for r in _results(BYTES_WORLD, "auto")]
     ring = 2 * (BYTES_WORLD - 1) / BYTES_WORLD * 4 * BYTES_N
     for s in sent:
         assert s <= bound * ring, (s / ring)

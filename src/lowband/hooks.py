@@ -10,7 +10,9 @@ For users who keep :class:`torch.nn.parallel.DistributedDataParallel`::
 
 Each DDP bucket is averaged through a lowband compressed collective (``allgather``: exact sum of
 the decoded payloads; ``two-stage``: compressed all_to_all + server re-compression + all_gather),
-with error feedback. The collective runs on its own background thread and private process group,
+with error feedback, each parameter of the bucket compressed as its own segment (per-layer scales
+and residuals, as the ``compressed`` algorithm). The averaged bucket comes back on the bucket's
+device. The collective runs on its own background thread and private process group,
 so the hook returns a ``torch.futures.Future`` at once and backward keeps computing while the
 bucket is compressed and sent; DDP waits on the futures at the end of backward.
 
@@ -40,7 +42,6 @@ DDP accepts one hook per model, so restore into a new DDP instance.
 """
 import hashlib
 import warnings
-from concurrent.futures import Future as ConcurrentFuture
 from typing import Any, Optional
 
 import torch
@@ -48,9 +49,10 @@ import torch.distributed as dist
 
 from .algorithms.compressed import DEFAULT_WARMUP_STEPS
 from .collectives.communicator import CommStats, Communicator
-from .collectives.compressed import COLLECTIVES, CompressedCollective, make_collective
+from .collectives.compressed import COLLECTIVES
 from .collectives.wire import allreduce_bytes
 from .compressors import COMPRESSORS, build_compressor
+from .pipeline import CompressedReducer, Handle, make_reducer
 
 #: Iterations before which bucket-keyed state must not exist (DDP rebuilds buckets after the
 #: first iteration; see the module docstring).
@@ -102,7 +104,7 @@ class CompressionHookState:
         self.layout_changes = 0
         self._layouts: dict[int, str] = {}
         self._restored_iter: Optional[int] = None   # iteration at which a pickled state resumed
-        self._reducer: Optional[CompressedCollective] = None
+        self._reducer: Optional[CompressedReducer] = None
         self._pending_state: dict[str, Any] = {}
 
     # -- pickling (PowerSGDState style) -----------------------------------------------------
@@ -125,11 +127,11 @@ class CompressionHookState:
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
 
-    def reducer(self) -> CompressedCollective:
+    def reducer(self) -> CompressedReducer:
         """The compressed collective, built (collectively: it creates a private group) on first use."""
         if self._reducer is None:
             codec = build_compressor(self.compressor, self.compressor_options, self.error_feedback)
-            self._reducer = make_collective(self.collective, Communicator(self.process_group, self.stats), codec)
+            self._reducer = make_reducer(self.collective, Communicator(self.process_group, self.stats), codec)
             self._reducer.load_state_dict(self._pending_state)
             self._pending_state = {}
         return self._reducer
@@ -197,14 +199,18 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         return work.get_future().then(lambda f: f.value()[0])
     state.maybe_increase_iter(bucket)
     out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    dtype = buf.dtype
+    dtype, device = buf.dtype, buf.device
 
-    def finish(done: ConcurrentFuture) -> None:
+    def finish(done: Handle) -> None:
         error = done.exception()
         if error is not None:
             out.set_exception(error)
         else:
-            out.set_result(done.result().to(dtype))
+            out.set_result(done.result().to(device=device, dtype=dtype))
 
-    state.reducer().start(buf.to(torch.float32), key).add_done_callback(finish)
+    # each parameter is its own segment (per-layer scales and residuals), as in ``compressed``
+    segments = [(f"{key}/{j}", p.numel()) for j, p in enumerate(bucket.parameters())]
+    if sum(n for _, n in segments) != buf.numel():   # a bucket layout with padding: one segment
+        segments = None
+    state.reducer().start(buf.to(torch.float32), key, segments).add_done_callback(finish)
     return out

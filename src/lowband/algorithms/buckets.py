@@ -10,11 +10,16 @@ Each bucket carries one extra element per parameter, a "had a gradient" flag: a 
 that received no gradient on any rank keeps ``grad = None`` after the reduction, so the
 optimizer skips it exactly as a single process would (instead of applying weight decay or
 momentum to a zero gradient).
+
+Buckets may be of several *kinds* (``key``, e.g. compressed weights vs. fp32 1-D parameters):
+parameters of different kinds never share a bucket, but all buckets form ONE launch order
+(the order in which they fill up during backward), so an algorithm that sends every bucket
+through one ordered queue issues the same collectives in the same order on every rank.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +35,8 @@ class Bucket:
     pending: set = field(default_factory=set)
     launched: bool = False
     handle: object = None            # whatever the launch callback returned
+    key: Any = None                  # the bucket's kind (see the module docstring)
+    position: dict = field(default_factory=dict)   # parameter index -> position in the bucket
 
     @property
     def grads(self) -> torch.Tensor:
@@ -40,25 +47,36 @@ class Bucket:
         return self.buffer[self.numel:]
 
 
-def plan_buckets(params: Sequence[nn.Parameter], indices: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+def plan_buckets(params: Sequence[nn.Parameter], indices: Sequence[int], bucket_bytes: int,
+                 key: Optional[Callable[[int], Any]] = None) -> list[list[int]]:
     """Group ``indices`` (in reverse order) into buckets of at most ``bucket_bytes``; a
-    parameter larger than the cap gets a bucket of its own. Parameters of different dtypes
-    never share a bucket."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    dtype = None
+    parameter larger than the cap gets a bucket of its own. Parameters of different dtypes or
+    ``key`` values never share a bucket; buckets are returned in the order they fill up."""
+    return [g for _, g in plan_keyed_buckets(params, indices, bucket_bytes, key)]
+
+
+def plan_keyed_buckets(params: Sequence[nn.Parameter], indices: Sequence[int], bucket_bytes: int,
+                       key: Optional[Callable[[int], Any]] = None) -> list[tuple[Any, list[int]]]:
+    """:func:`plan_buckets` with each bucket's key: ``[(key, indices), ...]``."""
+    groups: list[tuple[Any, list[int]]] = []
+    open_: dict[Any, tuple[list[int], int]] = {}      # (key, dtype) -> (indices, bytes)
     for i in reversed(list(indices)):
         p = params[i]
+        k = None if key is None else key(i)
+        slot = (k, p.dtype)
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > bucket_bytes or p.dtype != dtype):
-            groups.append(current)
+        current, size = open_.get(slot, ([], 0))
+        if current and size + nbytes > bucket_bytes:
+            groups.append((k, current))
             current, size = [], 0
-        current.append(i)
-        size += nbytes
-        dtype = p.dtype
-    if current:
-        groups.append(current)
+        open_[slot] = (current + [i], size + nbytes)
+        if key is None:   # a single kind: a dtype change closes the open bucket (as before)
+            for other in [s for s in open_ if s != slot]:
+                groups.append((other[0], open_.pop(other)[0]))
+    # the rest fill up when backward ends: in the order their last parameter arrived
+    arrival = {i: n for n, i in enumerate(reversed(list(indices)))}
+    rest = sorted(open_.items(), key=lambda kv: arrival[kv[1][0][-1]] if kv[1][0] else -1)
+    groups.extend((slot[0], g) for slot, (g, _) in rest if g)
     return groups
 
 
@@ -71,12 +89,13 @@ class BucketSet:
         indices: Sequence[int],
         bucket_bytes: int,
         launch: Callable[[Bucket], object],
+        key: Optional[Callable[[int], Any]] = None,
     ):
         self.params = params
         self.launch_fn = launch
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, int] = {}
-        for b, group in enumerate(plan_buckets(params, indices, bucket_bytes)):
+        for b, (kind, group) in enumerate(plan_keyed_buckets(params, indices, bucket_bytes, key)):
             offsets, n = [], 0
             for i in group:
                 offsets.append(n)
@@ -85,7 +104,8 @@ class BucketSet:
             dtype = params[group[0]].dtype
             device = params[group[0]].device
             buf = torch.zeros(n + len(group), dtype=dtype, device=device)
-            self.buckets.append(Bucket(b, list(group), offsets, n, buf))
+            self.buckets.append(Bucket(b, list(group), offsets, n, buf, key=kind,
+                                       position={i: k for k, i in enumerate(group)}))
         self._next = 0
         self.reset()
 
@@ -105,7 +125,7 @@ class BucketSet:
             raise RuntimeError(
                 f"gradient of parameter #{index} became ready twice in one iteration; lowband "
                 "expects one backward() per engine.step() (accumulate gradients in the loss instead)")
-        k = b.param_indices.index(index)
+        k = b.position[index]
         p = self.params[index]
         b.grads[b.offsets[k]: b.offsets[k] + p.numel()].copy_(p.grad.reshape(-1))
         b.flags[k] = 1
@@ -135,14 +155,16 @@ class BucketSet:
             self._launch(b)
         self._next = len(self.buckets)
 
-    def write_gradients(self, b: Bucket, reduced: Optional[torch.Tensor] = None) -> None:
+    def write_gradients(self, b: Bucket, reduced: Optional[torch.Tensor] = None,
+                        present: Optional[torch.Tensor] = None) -> None:
         """Write a bucket's reduced values (default: its own buffer) back into ``.grad``;
-        parameters whose flag is zero on every rank get ``grad = None``."""
+        parameters whose flag is zero on every rank (or whose ``present`` entry is False,
+        when given) get ``grad = None``."""
         values = b.buffer if reduced is None else reduced
-        flags = values[b.numel:]
+        flags = (values[b.numel:] > 0 if present is None else present).tolist()   # one host sync
         for k, i in enumerate(b.param_indices):
             p = self.params[i]
-            if float(flags[k]) <= 0:
+            if not flags[k]:
                 p.grad = None
                 continue
             g = values[b.offsets[k]: b.offsets[k] + p.numel()].view_as(p)

@@ -8,15 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-import torch.distributed as dist
-
-from ..collectives.communicator import TimedWork
-from ..collectives.compressed import COLLECTIVES, CompressedCollective, make_collective
+from ..collectives.compressed import COLLECTIVES
+from ..collectives.wire import MIB
 from ..compressors import COMPRESSORS, build_compressor
+from ..pipeline import CompressedReducer, Handle, make_reducer
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from ..collectives.wire import MIB
 
 #: fp32 all-reduce steps before compression starts (see ``CompressedSGD.warmup_steps``).
 DEFAULT_WARMUP_STEPS = 100
@@ -51,7 +48,8 @@ class CompressedSGD(Algorithm):
             default, as in PyTorch's PowerSGD hook: they are <1% of the elements of typical
             convnets (0.5% of ResNet-20), so sending them in fp32 costs little, and their
             gradients are systematically larger and matter more per element than weights'.
-            They then go through a plain fp32 all-reduce bucket set of their own.
+            They then go through fp32 all-reduce buckets of their own (on the same ordered
+            queue as the compressed ones).
         warmup_steps: steps averaged with plain fp32 all-reduce before compression starts (as
             PowerSGD's ``start_powerSGD_iter``, DeepSpeed's ``freeze_step``, CP-SGD's 1000
             S-SGD iterations): early gradients are large and change fast, when compression
@@ -60,9 +58,10 @@ class CompressedSGD(Algorithm):
             compressed-from-step-one baseline. The hooks' ``start_compress_iter`` is the same knob.
 
     Each parameter is compressed on its own (layer-wise scales and thresholds) and its
-    residual is keyed by its name; all parameters of a bucket travel in one collective.
-    Parameters that got no gradient on a rank contribute zeros; every trainable parameter then
-    receives the averaged (possibly zero) gradient.
+    residual is keyed by its name; all parameters of a bucket travel in one collective, and
+    every collective (warm-up, fp32 buckets, compressed buckets) goes through the reducer's one
+    ordered queue. A parameter that got no gradient on a rank contributes zeros there (and its
+    residual waits); one that no rank produced a gradient for keeps ``grad = None``.
     """
 
     compressor: str = "2bit"
@@ -86,41 +85,28 @@ class CompressedSGD(Algorithm):
     def bind(self, ctx: EngineContext) -> None:
         self.ctx = ctx
         codec = build_compressor(self.compressor, self.compressor_options, self.error_feedback)
-        self.reducer: CompressedCollective = make_collective(self.collective, ctx.comm, codec)
-        everything = range(len(ctx.params))
-        dense = [i for i in everything if self.compress_vectors or ctx.params[i].dim() > 1]
-        vectors = sorted(set(everything) - set(dense))
-        self.buckets = BucketSet(ctx.params, dense, int(self.bucket_mb * MIB), self._launch)
+        self.reducer: CompressedReducer = make_reducer(self.collective, ctx.comm, codec)
+        dense = {i for i in range(len(ctx.params)) if self.compress_vectors or ctx.params[i].dim() > 1}
+        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch,
+                                 key=lambda i: "compressed" if i in dense else "fp32")
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
-        self.plain = BucketSet(ctx.params, vectors, int(self.bucket_mb * MIB), self._allreduce)
-        self.sets = [self.buckets, self.plain]
 
-    def _allreduce(self, b: Bucket):
-        """fp32 average of gradients and flags (warm-up, and uncompressed 1-D parameters)."""
-        return _AllReduced(self.ctx.comm.all_reduce(b.buffer, op=dist.ReduceOp.AVG, async_op=True), b.grads)
-
-    def _launch(self, b: Bucket):
-        if self.steps_done < self.warmup_steps:
-            return self._allreduce(b)
-        return self.reducer.start(b.grads, f"bucket{b.index}", self.segments[b.index])
+    def _launch(self, b: Bucket) -> Handle:
+        key, segments, present = f"bucket{b.index}", self.segments[b.index], b.flags > 0
+        if b.key == "fp32" or self.steps_done < self.warmup_steps:
+            return self.reducer.start_full_precision(b.grads, key, segments, present=present)
+        return self.reducer.start(b.grads, key, segments, present=present)
 
     def on_gradient_ready(self, index: int) -> None:
-        target = self.buckets if index in self.buckets.bucket_of else self.plain
-        target.mark_ready(index, overlap=self.overlap)
+        self.buckets.mark_ready(index, overlap=self.overlap)
 
     def step(self) -> None:
-        for s in self.sets:
-            s.launch_remaining()
-        for b in self.plain.buckets:
-            b.handle.wait()
-            self.plain.write_gradients(b)
+        self.buckets.launch_remaining()
         for b in self.buckets.buckets:
-            b.grads.copy_(b.handle.wait())
-            b.flags.fill_(1.0)
-            self.buckets.write_gradients(b)
+            averaged = b.handle.wait()
+            self.buckets.write_gradients(b, averaged, present=b.handle.present)
         self.ctx.optimizer.step()
-        for s in self.sets:
-            s.reset()
+        self.buckets.reset()
         self.steps_done += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -137,14 +123,3 @@ class CompressedSGD(Algorithm):
 def bucket_segments(names: list[str], params: list, indices: list[int]) -> list[tuple[str, int]]:
     """``(parameter name, numel)`` for each parameter of a bucket, in bucket order."""
     return [(names[i], params[i].numel()) for i in indices]
-
-
-class _AllReduced:
-    """Handle of a warm-up all-reduce, shaped like the compressed collectives' handles."""
-
-    def __init__(self, work: TimedWork, tensor: torch.Tensor):
-        self.work, self.tensor = work, tensor
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.tensor

@@ -43,9 +43,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ..collectives.compressed import make_collective
 from ..collectives.wire import MIB
 from ..compressors import build_compressor
+from ..pipeline import make_collective
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs

@@ -1,306 +1,201 @@
-"""Compressed averaging collectives on torch.distributed.
+"""Compressed averaging collectives: how one bucket's bytes move (no threads, no state).
 
 Ternary 2-bit codes cannot be summed in 2 bits, so the collective that moves compressed
 payloads is an explicit choice (spec A.3):
 
-* :class:`AllgatherCollective` — every rank all-gathers every rank's packed payload, decodes
-  each and sums them in rank order. The result is exactly the sum of the individually decoded
-  payloads (what MXNet's parameter server computes), identical on every rank. Each rank
-  receives (N-1) payloads: O(N) traffic per rank.
-* :class:`TwoStageAllreduce` — DeepSpeed-style compressed all-reduce. The (padded) tensor is cut
-  into N equal chunks, each compressed separately; an ``all_to_all`` sends chunk i to rank i,
-  which decodes the N versions, averages them, re-compresses the average with its own
-  *server-side* error feedback and ``all_gather``s it. O(1) traffic per rank in N.
+* :class:`AllgatherPlan` — every rank all-gathers every rank's packed payload, decodes each and
+  sums them in rank order. The result is exactly the sum of the individually decoded payloads
+  (what MXNet's parameter server computes), identical on every rank. O(N) bytes per rank.
+* :class:`TwoStagePlan` — DeepSpeed-style compressed all-reduce. Every segment is cut into N
+  equal chunks (zero-padded); an ``all_to_all`` sends chunk i of every segment to rank i, which
+  decodes the N versions, averages them, re-compresses the average with its *server-side*
+  error feedback and ``all_gather``s it. O(1) bytes per rank in N.
 
-Both run their whole pipeline — compression included — on a background thread with a process
-group of their own, so the caller's thread keeps computing (CP-SGD hides compression as well as
-communication). A dedicated group matters for correctness: collectives issued from two threads
-on one group could be ordered differently on different ranks. Jobs run in submission order, so
-every rank issues the same sequence on the private group.
+A plan is built once per bucket (its layouts and decode tables, :mod:`lowband.compressors.bucket`)
+and ``run`` is one synchronous exchange with O(1) Python calls whatever the number of segments
+and ranks: one codec call encodes the bucket, one decodes and averages the N versions, one
+re-compresses, one decodes the result. Residuals are owned by the caller (the reducer in
+:mod:`lowband.pipeline`, which also owns the thread, the ordering, exact ranges and flushes).
 
-Payload tensors of one compress() call are shipped as one byte buffer (one collective, not one
-per payload tensor); their sizes depend only on the tensor's shape, so no size exchange is needed.
+Present flags (one byte per segment: did this rank produce that gradient) travel in every
+section, so each rank learns after the first exchange which segments any rank produced;
+segments absent on this rank are encoded as zeros with their residual untouched, and globally
+absent ones are not re-compressed by the server either.
 """
 from __future__ import annotations
 
-import time
-from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+import copy
+from typing import Optional
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
-from ..compressors import Compressor, ErrorFeedback
-from ..compressors.base import Payload
+from ..compressors import Compressor
+from ..compressors.bucket import BucketCodec, ChunkedLayout, Segments, _ChunkFormat, skip_ranges
 from .communicator import Communicator
 
 COLLECTIVES = ("allgather", "two-stage")
 
 
-def payload_to_bytes(payload: Payload) -> torch.Tensor:
-    """Concatenate payload tensors into one flat uint8 buffer (their raw bytes)."""
-    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in payload])
+def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.ndarray]) -> None:
+    """Put this rank's present flags into the flag bytes of every section of ``buf``."""
+    S = layout.segments
+    view = buf.view(-1, layout.section)[:, layout.flag_off:layout.section]
+    view.zero_()
+    if S:
+        value = torch.ones(S, dtype=torch.uint8) if flags is None else torch.from_numpy(flags.astype(np.uint8))
+        view[:, :S] = value.to(buf.device)
 
 
-def bytes_to_payload(buf: torch.Tensor, like: Payload) -> Payload:
-    """Split a byte buffer back into tensors shaped and typed like ``like``."""
-    out, offset = [], 0
-    for t in like:
-        n = t.numel() * t.element_size()
-        out.append(buf[offset:offset + n].view(t.dtype).reshape(t.shape))
-        offset += n
-    return out
+def _read_flags(buf: torch.Tensor, layout: ChunkedLayout) -> np.ndarray:
+    """OR over the sections of ``buf`` of their present flags (bool per segment)."""
+    S = layout.segments
+    if not S:
+        return np.zeros(0, dtype=bool)
+    flags = buf.view(-1, layout.section)[:, layout.flag_off:layout.flag_off + S]
+    return flags.amax(0).cpu().numpy() > 0
 
 
-class PendingReduce:
-    """Handle of an in-flight compressed averaging; ``wait()`` returns the averaged tensor.
-    Time spent in ``wait()`` is charged to the exposed-communication clock."""
+class Plan:
+    """Common part: the worker-side codec over the bucket's layout."""
 
-    def __init__(self, future: Future, comm: Communicator):
-        self._future = future
-        self._comm = comm
+    name = ""
 
-    def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        result = self._future.result()
-        self._comm.stats.comm_wait_s += time.perf_counter() - t0
-        return result
+    def __init__(self, world: int, rank: int, segments: Segments, codec: Compressor, chunks: int, name_of) -> None:
+        self.world, self.rank = world, rank
+        self.fmt = _ChunkFormat(codec)
+        self.worker = BucketCodec(codec, self.fmt, ChunkedLayout.build(segments, chunks, self.fmt), name_of)
+        self.layout = self.worker.layout
+        self.numel = self.layout.total
+        self._buffers: dict[str, torch.Tensor] = {}
 
-    def done(self) -> bool:
-        return self._future.done()
+    def _buffer(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Reused per-plan buffers (one job runs at a time per plan: the pipeline's thread)."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.device != device:
+            buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            self._buffers[key] = buf
+        return buf
 
-    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
-        """Call ``fn(concurrent_future)`` when the reduction finishes (on the worker thread);
-        this is how the DDP hook completes its ``torch.futures.Future`` without blocking."""
-        self._future.add_done_callback(fn)
+    def worker_skip(self, lo: int, hi: int, absent: Optional[np.ndarray]) -> Optional[np.ndarray]:
+        enc = self.worker.enc
+        return skip_ranges(enc.src, enc.length, enc.c, enc.seg, lo, hi, absent)
 
-
-Segments = Sequence[tuple[str, int]]
-
-
-class CompressedCollective(ABC):
-    """Averages a flat fp32 tensor across ranks through a compressor, asynchronously.
-
-    The tensor is a concatenation of *segments* (normally one per parameter, named after it):
-    each segment is compressed on its own, so scale-dependent codecs (1-bit's scale, a 2-bit
-    threshold, top-k's selection) see one layer's gradient rather than a mix of layers whose
-    magnitudes differ by orders of magnitude, and error-feedback residuals are keyed by
-    parameter name. All segments of one call still travel in one collective.
-
-    Args:
-        comm: the caller's counted communicator (its stats receive the bytes; its group is
-            the one whose ranks take part).
-        compressor: the worker-side codec; wrap it in :class:`ErrorFeedback` for residual
-            memory (the collective does not add it by itself, so "no error feedback" stays
-            expressible).
-    """
-
-    name: str = ""
-
-    def __init__(self, comm: Communicator, compressor: Compressor):
-        self.comm = comm
-        self.compressor = compressor
-        self.world_size = comm.world_size
-        self.rank = comm.rank
-        # a private group for the background thread (created collectively, same order on all ranks)
-        group = dist.new_group(ranks=list(range(self.world_size))) if self.world_size > 1 else comm.group
-        self.bg_comm = Communicator(group, comm.stats, time_waits=False)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lowband-{self.name}")
-
-    @staticmethod
-    def _segments(tensor: torch.Tensor, name: str, segments: Optional[Segments]) -> list[tuple[str, int]]:
-        segs = [(name, tensor.numel())] if segments is None else list(segments)
-        if sum(n for _, n in segs) != tensor.numel():
-            raise ValueError(f"segments of {name!r} cover {sum(n for _, n in segs)} elements, tensor has {tensor.numel()}")
-        return segs
-
-    def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None) -> PendingReduce:
-        """Begin averaging ``tensor`` (flat fp32). It is copied first, so the caller may
-        overwrite it as soon as ``start`` returns. ``segments`` — ``(name, numel)`` pairs
-        covering the tensor — default to one segment called ``name``."""
-        segs = self._segments(tensor, name, segments)
-        snapshot = tensor.detach().clone()
-        return PendingReduce(self._executor.submit(self._run, snapshot, segs), self.comm)
-
-    def reduce(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None) -> torch.Tensor:
-        """Synchronous convenience: start and wait."""
-        return self.start(tensor, name, segments).wait()
-
-    def start_full_precision(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None,
-                             flush_residuals: bool = False) -> PendingReduce:
-        """Average ``tensor`` uncompressed (fp32 all-reduce), queued behind earlier jobs on the
-        same background thread. With ``flush_residuals`` the error-feedback memory of each
-        segment is added to the contribution and zeroed, so this exact step also delivers what
-        compression held back (CP-SGD's correction step, flushing variant)."""
-        segs = self._segments(tensor, name, segments)
-        snapshot = tensor.detach().clone()
-        return PendingReduce(self._executor.submit(self._run_full, snapshot, segs, flush_residuals), self.comm)
-
-    def _run_full(self, tensor: torch.Tensor, segments: list[tuple[str, int]], flush: bool) -> torch.Tensor:
-        if flush:
-            offset = 0
-            for seg_name, n in segments:
-                self._flush_into(tensor[offset:offset + n], seg_name)
-                offset += n
-        self.bg_comm.all_reduce(tensor, op=dist.ReduceOp.AVG)
-        return tensor
-
-    def _flush_into(self, segment: torch.Tensor, name: str) -> None:
-        """Add and zero this rank's residual(s) for one segment."""
-        _take_residual(self.compressor, name, segment)
-
-    @abstractmethod
-    def _run(self, tensor: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
-        """The whole pipeline, on the background thread: compress, communicate, decode, average."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"worker": self.compressor.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.compressor.load_state_dict(state.get("worker", {}))
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    @property
+    def server_numel(self) -> int:
+        return 0
 
 
-def _take_residual(codec: Compressor, name: str, into: torch.Tensor, scale: float = 1.0) -> None:
-    """``into += scale * residual(name)`` and zero the residual (no-op without one)."""
-    if isinstance(codec, ErrorFeedback) and codec.has_residual(name):
-        e = codec.residual(name)
-        into.add_(e.reshape(-1)[:into.numel()], alpha=scale)
-        e.zero_()
-
-
-class AllgatherCollective(CompressedCollective):
-    """Exact sum of every rank's decoded payload (divided by N), via one all_gather."""
+class AllgatherPlan(Plan):
+    """One section per rank (chunks = 1); all_gather; decode and average all N."""
 
     name = "allgather"
 
-    def _run(self, tensor: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
-        payloads, ctxs, offset = [], [], 0
-        for seg_name, n in segments:
-            pl, ctx = self.compressor.compress(tensor[offset:offset + n], seg_name)
-            payloads.append(pl)
-            ctxs.append(ctx)
-            offset += n
-        like = [t for pl in payloads for t in pl]
-        buf = payload_to_bytes(like)
-        gathered = torch.empty(self.world_size * buf.numel(), dtype=torch.uint8)
-        self.bg_comm.all_gather(gathered, buf)
-        total = torch.zeros(tensor.numel(), dtype=torch.float32)
-        for part in gathered.view(self.world_size, -1):
-            tensors, offset, k = bytes_to_payload(part, like), 0, 0
-            for pl, ctx in zip(payloads, ctxs):
-                decoded = self.compressor.decompress(tensors[k:k + len(pl)], ctx)
-                total[offset:offset + ctx.numel].add_(decoded.reshape(-1).to(torch.float32))
-                offset += ctx.numel
-                k += len(pl)
-        return total.div_(self.world_size)
+    def __init__(self, world: int, rank: int, segments: Segments, codec: Compressor,
+                 server_codec: Optional[Compressor] = None) -> None:
+        super().__init__(world, rank, segments, codec, 1, lambda s, i: s)
+        lay, S = self.layout, self.layout.segments
+        zeros = np.zeros(S, dtype=np.int64)
+        self.dec = self.worker.runs(np.arange(S), zeros, zeros, lay.seg_off, lay.numel)
+        self.dec_table = self.dec.decode_table()
+
+    def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
+            e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
+            ) -> tuple[torch.Tensor, np.ndarray]:
+        lay, p, dev = self.layout, self.world, g.device
+        send = self._buffer("send", lay.section, dev)
+        self.worker.encode(g, e_worker, send, self.worker_skip(lo, hi, None if flags is None else ~flags))
+        _write_flags(send, lay, flags)
+        gathered = self._buffer("gathered", p * lay.section, dev)
+        comm.all_gather(gathered, send)
+        out = torch.empty(self.numel, dtype=torch.float32, device=dev)
+        self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p))
+        return out, _read_flags(gathered, lay)
 
 
-class TwoStageAllreduce(CompressedCollective):
-    """Compressed reduce-scatter (all_to_all) + server-side re-compression + all_gather.
-
-    Each segment is zero-padded to N equal chunks; rank i owns chunk i of every segment.
+class TwoStagePlan(Plan):
+    """Compressed all_to_all of chunks, owner-side average and re-compression (server
+    residual), all_gather of the owners' chunks.
 
     Args:
-        server_compressor: codec used by each chunk's owner to re-compress the averaged
-            chunk; defaults to the worker codec's inner codec with its own error feedback
-            (the server-side residual), as in DeepSpeed's compressed all-reduce.
+        server_codec: the codec each chunk's owner re-compresses the average with (with its
+            own residual); default a fresh copy of ``codec``, as DeepSpeed's compressed
+            all-reduce.
     """
 
     name = "two-stage"
 
-    def __init__(self, comm: Communicator, compressor: Compressor, server_compressor: Optional[Compressor] = None):
-        super().__init__(comm, compressor)
-        if server_compressor is None:
-            inner = compressor.inner if isinstance(compressor, ErrorFeedback) else compressor
-            server_compressor = ErrorFeedback(_fresh_copy(inner))
-        self.server = server_compressor
+    def __init__(self, world: int, rank: int, segments: Segments, codec: Compressor,
+                 server_codec: Optional[Compressor] = None) -> None:
+        super().__init__(world, rank, segments, codec, world, lambda s, i: f"{s}/chunk{i}")
+        lay, N, S = self.layout, world, self.layout.segments
+        server_codec = copy.deepcopy(codec) if server_codec is None else server_codec
+        self.sfmt = _ChunkFormat(server_codec)
+        slay = ChunkedLayout.build([(n, int(c)) for n, c in zip(lay.names, lay.chunk)], 1, self.sfmt)
+        self.server = BucketCodec(server_codec, self.sfmt, slay, lambda s, i: f"{s}/server")
+        self.server_layout = slay
+        # my chunk of every segment, in bucket coordinates
+        self.mine_base = lay.seg_off + rank * lay.chunk
+        self.mine_len = lay.chunk_len(rank)
+        seg = np.arange(S, dtype=np.int64)
+        self.dec1 = self.worker.runs(seg, np.zeros(S, dtype=np.int64), np.full(S, rank, dtype=np.int64),
+                                     slay.seg_off, lay.chunk)
+        self.dec1_table = self.dec1.decode_table()
+        seg2 = np.repeat(seg, N)
+        own = np.tile(np.arange(N, dtype=np.int64), S)
+        c2 = lay.chunk[seg2]
+        self.dec2 = self.server.runs(seg2, own, np.zeros_like(seg2), lay.seg_off[seg2] + own * c2,
+                                     np.clip(lay.numel[seg2] - own * c2, 0, c2))
+        self.dec2_table = self.dec2.decode_table()
+        self._mine_index: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    def chunk_numel(self, numel: int) -> int:
-        """Elements per chunk: ceil(numel / N) (each segment is zero-padded to N chunks)."""
-        return -(-numel // self.world_size)
+    @property
+    def server_numel(self) -> int:
+        return self.server_layout.total
 
-    def _run(self, tensor: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
-        p = self.world_size
-        # stage 1: worker-side compression of chunk i of every segment, sent to rank i
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(p)]
-        mine_ctx, offset = [], 0
-        for seg_name, n in segments:
-            c = self.chunk_numel(n)
-            padded = torch.zeros(c * p, dtype=torch.float32)
-            padded[:n] = tensor[offset:offset + n]
-            offset += n
-            for i, chunk in enumerate(padded.view(p, c)):
-                pl, ctx = self.compressor.compress(chunk, f"{seg_name}/chunk{i}")
-                per_rank[i].extend(pl)
-                if i == self.rank:
-                    mine_ctx.append((pl, ctx))
-        send = torch.cat([payload_to_bytes(pls) for pls in per_rank])
-        recv = torch.empty_like(send)
-        self.bg_comm.all_to_all(recv, send)
-        # the owner averages the N versions of its chunks and re-compresses with its residual
-        like = per_rank[self.rank]
-        server_payloads, server_ctxs = [], []
-        versions = [bytes_to_payload(part, like) for part in recv.view(p, -1)]
-        k = 0
-        for (seg_name, _), (pl, ctx) in zip(segments, mine_ctx):
-            avg = torch.zeros(ctx.numel, dtype=torch.float32)
-            for tensors in versions:
-                avg.add_(self.compressor.decompress(tensors[k:k + len(pl)], ctx).reshape(-1))
-            avg.div_(p)
-            k += len(pl)
-            spl, sctx = self.server.compress(avg, f"{seg_name}/server")
-            server_payloads.append(spl)
-            server_ctxs.append(sctx)
+    def mine_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bucket indices, server-residual indices) of the real elements of my chunks."""
+        if self._mine_index is None or self._mine_index[0].device != device:
+            lens = self.mine_len
+            within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+            bucket = np.repeat(self.mine_base, lens) + within
+            server = np.repeat(self.server_layout.seg_off, lens) + within
+            self._mine_index = (torch.from_numpy(bucket).to(device), torch.from_numpy(server).to(device))
+        return self._mine_index
+
+    def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
+            e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
+            ) -> tuple[torch.Tensor, np.ndarray]:
+        lay, slay, p, dev = self.layout, self.server_layout, self.world, g.device
+        # stage 1: chunk i of every segment to rank i
+        send = self._buffer("send", p * lay.section, dev)
+        self.worker.encode(g, e_worker, send, self.worker_skip(lo, hi, None if flags is None else ~flags))
+        _write_flags(send, lay, flags)
+        recv = self._buffer("recv", p * lay.section, dev)
+        comm.all_to_all(recv, send)
+        present = _read_flags(recv, lay)
+        # the owner averages the N versions of its chunks, re-compresses with its residual
+        avg = torch.empty(slay.total, dtype=torch.float32, device=dev)
+        self.worker.decode(recv, p, self.dec1, self.dec1_table, avg, True, float(p))
+        sbuf = self._buffer("server", slay.section, dev)
+        enc = self.server.enc
+        absent = None if present.all() else ~present
+        skip = skip_ranges(self.mine_base, self.mine_len, enc.c, enc.seg, lo, hi, absent)
+        self.server.encode(avg, e_server, sbuf, skip)
         # stage 2: every rank gets every owner's re-compressed chunks
-        slike = [t for spl in server_payloads for t in spl]
-        sbuf = payload_to_bytes(slike)
-        gathered = torch.empty(p * sbuf.numel(), dtype=torch.uint8)
-        self.bg_comm.all_gather(gathered, sbuf)
-        out = torch.empty(tensor.numel(), dtype=torch.float32)
-        owners = [bytes_to_payload(part, slike) for part in gathered.view(p, -1)]
-        offset, k = 0, 0
-        for (seg_name, n), spl, sctx in zip(segments, server_payloads, server_ctxs):
-            c = self.chunk_numel(n)
-            full = torch.empty(c * p, dtype=torch.float32)
-            for i, tensors in enumerate(owners):
-                full[i * c:(i + 1) * c] = self.server.decompress(tensors[k:k + len(spl)], sctx).reshape(-1)
-            out[offset:offset + n] = full[:n]
-            offset += n
-            k += len(spl)
-        return out
-
-    def _flush_into(self, segment: torch.Tensor, name: str) -> None:
-        """Worker residuals live per chunk; this rank's server residual covers its own chunk.
-        The server residual is scaled by N because the all-reduce averages contributions."""
-        n, p = segment.numel(), self.world_size
-        c = self.chunk_numel(n)
-        padded = torch.zeros(c * p, dtype=torch.float32)
-        for i in range(p):
-            _take_residual(self.compressor, f"{name}/chunk{i}", padded[i * c:(i + 1) * c])
-        _take_residual(self.server, f"{name}/server", padded[self.rank * c:(self.rank + 1) * c], scale=p)
-        segment.add_(padded[:n])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "server": self.server.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.server.load_state_dict(state.get("server", {}))
+        gathered = self._buffer("gathered", p * slay.section, dev)
+        comm.all_gather(gathered, sbuf)
+        out = torch.empty(self.numel, dtype=torch.float32, device=dev)
+        self.server.decode(gathered, 1, self.dec2, self.dec2_table, out, False, 1.0)
+        return out, present
 
 
-def _fresh_copy(compressor: Compressor) -> Compressor:
-    """An independent codec with the same configuration (taken before any use, so stateless)."""
-    import copy
-    return copy.deepcopy(compressor)
+PLANS = {"allgather": AllgatherPlan, "two-stage": TwoStagePlan}
 
 
-def make_collective(kind: str, comm: Communicator, compressor: Compressor) -> CompressedCollective:
-    if kind == "allgather":
-        return AllgatherCollective(comm, compressor)
-    if kind == "two-stage":
-        return TwoStageAllreduce(comm, compressor)
-    raise ValueError(f"unknown collective {kind!r}; choose one of: {', '.join(COLLECTIVES)}")
+def make_plan(kind: str, world: int, rank: int, segments: Segments, codec: Compressor,
+              server_codec: Optional[Compressor] = None) -> Plan:
+    """The plan of collective ``kind`` for one bucket of ``segments``."""
+    if kind not in PLANS:
+        raise ValueError(f"unknown collective {kind!r}; choose one of: {', '.join(COLLECTIVES)}")
+    return PLANS[kind](world, rank, segments, codec, server_codec)

@@ -19,6 +19,7 @@ import torch
 
 from .base import Compressor, Ctx, Payload, as_shape, flat_fp32, scratch
 from .bitpack import pack_1bit, unpack_1bit, words_for
+from .sums import canonical_sum
 
 SIGN_BYTE = 3  #: index of the byte holding the sign bit in a little-endian fp32
 SIGN_SHIFT = 7  #: position of the sign bit inside that byte
@@ -38,7 +39,7 @@ class OneBitSign(Compressor):
         bits[n:].zero_()
         torch.bitwise_right_shift(x.view(torch.uint8)[SIGN_BYTE::4], SIGN_SHIFT, out=bits[:n])
         magnitude = torch.abs(x, out=scratch.get("1bit.abs", n, torch.float32, x.device))
-        scale = (magnitude.sum() / max(n, 1)).reshape(1)
+        scale = (canonical_sum(magnitude) / max(n, 1)).reshape(1)   # canonical order (sums.py)
         return [pack_1bit(bits), scale], Ctx(tensor.shape, tensor.dtype, name)
 
     def compress_residual_(

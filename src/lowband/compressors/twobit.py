@@ -35,6 +35,9 @@ residual update are otherwise identical; ``threshold=`` keeps the exact MXNet se
 ``scale_block=B`` gives every B consecutive elements their own ``t`` and ``v`` (one fp32 each):
 a bucket concatenates layers whose gradient scales differ by >10x, and one scale for all of them
 lets the small layers rarely fire (stale residuals) while the large ones saturate.
+The RMS and the fired mean are summed in lowband's canonical order (:mod:`.sums`), so the
+native bucket kernels reproduce them bit for bit; a NaN in a block makes its ``t`` and ``v``
+NaN, nothing fires, and the block's residual and decoded values are NaN (caught by the guard).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import torch
 
 from .base import Compressor, Ctx, Payload, as_shape, check_positive, flat_fp32, scratch
 from .bitpack import pack_ternary, unpack_ternary, words_for
+from .sums import row_sums
 
 CODES_PER_WORD = 16
 
@@ -123,17 +127,20 @@ class TwoBitQuantizer(Compressor):
         # blocks are independent: process them a cache-sized group at a time (CPU) so the
         # intermediates stay in L2 instead of making ~10 passes over DRAM
         group = nb if r.device.type != "cpu" else max(1, self.block_size // bs)
+        # sums follow lowband's canonical order (compressors/sums.py), as the native kernel does
+        tiny = float(np.finfo(np.float32).tiny)
         for b0 in range(0, nb, group):
             b1 = min(nb, b0 + group)
             rr = rows[b0:b1]
             mag = rr.abs()
-            t = (rr.pow(2).sum(1) / counts[b0:b1]).sqrt_().mul_(self.relative)
-            t.clamp_(min=float(np.finfo(np.float32).tiny))
-            fired = mag >= t[:, None]
+            t = (row_sums(rr * rr) / counts[b0:b1]).sqrt_().mul_(self.relative)
+            t.clamp_(min=tiny)                   # NaN stays NaN: then nothing fires
+            tc = t[:, None]
+            fired = mag >= tc
             nfired = fired.sum(1)
-            vg = torch.where(nfired > 0, (mag * fired).sum(1) / nfired.clamp(min=1), t)
+            vg = torch.where(nfired > 0, row_sums(torch.where(fired, mag, 0.0)) / nfired.clamp(min=1), t)
             v[b0:b1] = vg
-            code = torch.sign(rr) * fired
+            code = (rr >= tc).to(torch.float32).sub_((rr <= -tc).to(torch.float32))
             e0, e1 = b0 * bs, min(n, b1 * bs)
             signs[e0:e1] = code.reshape(-1)[: e1 - e0].to(torch.int8)
             if residual:

@@ -1,0 +1,17 @@
+"""Build of lowband's one native piece: the fused codec kernels (plain C, loaded with ctypes).
+
+The library has no Python or torch headers in it, so pip's isolated build needs nothing but a
+C compiler. ``optional=True``: without a compiler the install still succeeds and lowband uses
+its bit-identical torch codec path (docs/codecs.md)."""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "lowband.compressors.kernels._lowband_codecs",
+            sources=["src/lowband/compressors/kernels/lowband_codecs.c"],
+            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math"],
+            optional=True,
+        )
+    ]
+)

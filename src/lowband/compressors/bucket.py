@@ -1,0 +1,324 @@
+"""Bucket-level codecs: one call encodes (or decodes) a whole flat bucket of many segments.
+
+A bucket is a flat fp32 tensor made of *segments* (one per parameter, named after it). A
+:class:`ChunkedLayout` cuts every segment into ``chunks`` equal pieces of ``c = ceil(n/chunks)``
+elements (the last ones zero-padded), the two-stage collective's layout (``chunks = N``; the
+all-gather collective uses ``chunks = 1``). Chunk ``i`` of every segment goes into *section*
+``i`` of one byte buffer, so a section is what travels to rank ``i``:
+
+    section = [payload of chunk i of segment 0][... of segment 1] ... [present flags, S bytes]
+
+Each chunk payload is exactly what the per-tensor codec's ``compress`` of that chunk returns
+(MXNet 2-bit: ``ceil(c/16)`` int32 words; scale-aware 2-bit: the words then one fp32 per scale
+block, blocks starting at the chunk's start, so the chunk's owner decodes it alone; 1-bit:
+``ceil(c/32)`` words then the scale), at a 4-byte aligned offset. Everything about the layout
+(offsets, chunk runs, section size) is computed once, when the layout is built.
+
+:class:`BucketCodec` runs a codec over such a layout with error feedback: ``encode`` reads the
+bucket and its residual and writes every section in one call; ``decode`` decodes K sections and
+accumulates them into one fp32 output in one call. For 2-bit (both modes) and 1-bit on CPU
+the calls go to the native kernels (:mod:`.kernels`, GIL released); otherwise the same
+layout is filled chunk by chunk through the codec's torch ``compress_residual_`` /
+``decompress`` (the fallback, bit-identical for the native codecs; ``LOWBAND_CODEC_KERNELS``).
+
+Skipping: chunk-local ranges ``[lo, hi)`` may be *skipped* per call: those elements are
+encoded as zeros and their residual is neither used nor changed (CP-SGD's exact ranges,
+segments a rank has no gradient for). Residuals cover the real elements only (padding is not
+data), so the worker residual is one flat tensor per bucket, viewable per parameter name.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import kernels
+from .base import Compressor, Ctx, Payload, as_shape
+from .bitpack import words_for
+from .error_feedback import ErrorFeedback
+from .onebit import OneBitSign
+from .twobit import TwoBitQuantizer
+
+Segments = Sequence[tuple[str, int]]
+
+#: native kernel kinds (the ``kind`` argument of ``lb_decode``)
+KIND_TWOBIT, KIND_TWOBIT_REL, KIND_ONEBIT = 0, 1, 2
+
+
+def native_kind(codec: Compressor) -> Optional[int]:
+    """The native kernel implementing ``codec`` (None: torch only)."""
+    if type(codec) is TwoBitQuantizer:
+        return KIND_TWOBIT if codec.relative is None else KIND_TWOBIT_REL
+    if type(codec) is OneBitSign:
+        return KIND_ONEBIT
+    return None
+
+
+def payload_to_bytes(payload: Payload) -> torch.Tensor:
+    """Concatenate payload tensors into one flat uint8 buffer (their raw bytes)."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in payload])
+
+
+def bytes_to_payload(buf: torch.Tensor, like: Payload) -> Payload:
+    """Split a byte buffer back into tensors shaped and typed like ``like``."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        out.append(buf[offset:offset + n].view(t.dtype).reshape(t.shape))
+        offset += n
+    return out
+
+
+def _align4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+class _ChunkFormat:
+    """Payload structure of one chunk of ``c`` elements for a codec."""
+
+    def __init__(self, codec: Compressor) -> None:
+        self.codec = codec
+        self.kind = native_kind(codec)
+        self._probe = None if self.kind is not None else copy.deepcopy(codec)
+        self._like: dict[int, Payload] = {}
+
+    def words(self, c: int) -> int:
+        if self.kind == KIND_ONEBIT:
+            return words_for(c, 1)
+        return words_for(c, 2)
+
+    def nbytes(self, c: int) -> int:
+        return _align4(self.codec.payload_nbytes(c))
+
+    def like(self, c: int) -> Payload:
+        """Shapes and dtypes of a chunk's payload tensors (torch path)."""
+        if c not in self._like:
+            payload, _ = self._probe.compress(torch.zeros(c), "probe") if self._probe is not None else (
+                self.codec.compress(torch.zeros(c), "probe"))
+            self._like[c] = [torch.empty(t.shape, dtype=t.dtype) for t in payload]
+        return self._like[c]
+
+
+@dataclass
+class ChunkedLayout:
+    """Where every chunk of every segment lives (computed once per bucket and world size).
+
+    Attributes (numpy int64 arrays, one entry per segment unless said otherwise):
+        names, numel (n), seg_off (offset in the bucket), chunk (c = ceil(n / chunks)),
+        pay_off (byte offset of a chunk's payload inside a section), pay_bytes,
+        section (bytes per section, flags included), flag_off (byte offset of the flags).
+    """
+
+    names: list[str]
+    chunks: int
+    numel: np.ndarray
+    seg_off: np.ndarray
+    chunk: np.ndarray
+    pay_off: np.ndarray
+    pay_bytes: np.ndarray
+    words: np.ndarray
+    flag_off: int
+    section: int
+    total: int                      # elements of the bucket
+
+    @classmethod
+    def build(cls, segments: Segments, chunks: int, fmt: _ChunkFormat) -> "ChunkedLayout":
+        names = [str(s) for s, _ in segments]
+        numel = np.array([int(n) for _, n in segments], dtype=np.int64)
+        seg_off = np.concatenate([[0], np.cumsum(numel)[:-1]]).astype(np.int64) if len(numel) else numel.copy()
+        chunk = -(-numel // chunks)
+        pay_bytes = np.array([fmt.nbytes(int(c)) for c in chunk], dtype=np.int64)
+        words = np.array([fmt.words(int(c)) for c in chunk], dtype=np.int64)
+        pay_off = np.concatenate([[0], np.cumsum(pay_bytes)[:-1]]).astype(np.int64) if len(numel) else numel.copy()
+        flag_off = int(pay_bytes.sum())
+        section = flag_off + _align4(len(names))
+        return cls(names, chunks, numel, seg_off, chunk, pay_off, pay_bytes, words, flag_off, section,
+                   int(numel.sum()))
+
+    @property
+    def segments(self) -> int:
+        return len(self.names)
+
+    def chunk_len(self, i: int) -> np.ndarray:
+        """Real (unpadded) elements of chunk ``i`` of every segment."""
+        return np.clip(self.numel - i * self.chunk, 0, self.chunk)
+
+
+class _Runs:
+    """Encode or decode runs as a numpy table (native kernels) and as rows (torch path)."""
+
+    def __init__(self, src: np.ndarray, length: np.ndarray, c: np.ndarray, dst: np.ndarray,
+                 seg: np.ndarray, chunk_index: np.ndarray, words: np.ndarray) -> None:
+        self.src, self.length, self.c, self.dst, self.seg, self.chunk_index = src, length, c, dst, seg, chunk_index
+        self.words = words
+        self.count = len(src)
+
+    def encode_table(self) -> np.ndarray:
+        """rows: src element, len, c, dst int32 word, dst int32 scale (dst bytes / 4 + words)."""
+        return np.ascontiguousarray(np.stack(
+            [self.src, self.length, self.c, self.dst // 4, self.dst // 4 + self.words], axis=1).astype(np.int64))
+
+    def decode_table(self) -> np.ndarray:
+        """rows: src int32 word, src int32 scale, c, dst element, len (src = payload bytes / 4)."""
+        return np.ascontiguousarray(np.stack(
+            [self.src // 4, self.src // 4 + self.words, self.c, self.dst, self.length], axis=1).astype(np.int64))
+
+
+def skip_ranges(base: np.ndarray, length: np.ndarray, c: np.ndarray, seg: np.ndarray, lo: int, hi: int,
+                absent: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Chunk-local skip table (``[n_runs, 2]``, or None when nothing is skipped) of runs whose
+    real elements are bucket elements ``[base, base + length)`` of chunks of ``c``: the exact
+    range ``[lo, hi)`` of the bucket, and whole chunks of the segments flagged in ``absent``."""
+    if hi <= lo and (absent is None or not absent.any()):
+        return None
+    a = np.clip(lo - base, 0, length)
+    b = np.maximum(a, np.clip(hi - base, 0, length))
+    if absent is not None:
+        gone = absent[seg]
+        a = np.where(gone, 0, a)
+        b = np.where(gone, c, b)
+    return np.ascontiguousarray(np.stack([a, b], axis=1).astype(np.int64))
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class BucketCodec:
+    """A codec over one :class:`ChunkedLayout`: whole-bucket encode and decode calls.
+
+    Args:
+        codec: the per-tensor codec (not EF-wrapped; pass residuals to :meth:`encode`).
+        layout: the bucket's layout.
+        names: the torch path's codec name of each (segment, chunk) call, as
+            ``name_of(segment_name, chunk_index)`` (shared-randomness codecs key on it).
+    """
+
+    def __init__(self, codec: Compressor, fmt: _ChunkFormat, layout: ChunkedLayout, name_of) -> None:
+        if isinstance(codec, ErrorFeedback):
+            raise ValueError("BucketCodec takes the inner codec; residuals are passed to encode()")
+        self.codec, self.fmt, self.layout, self.name_of = codec, fmt, layout, name_of
+        self.kind = fmt.kind
+        self._ctx: dict[tuple[int, int], Ctx] = {}
+        lay = layout
+        S, N = lay.segments, lay.chunks
+        # encode runs ordered segment-major (source order): chunk i of segment s -> section i
+        seg = np.repeat(np.arange(S, dtype=np.int64), N)
+        idx = np.tile(np.arange(N, dtype=np.int64), S)
+        c = lay.chunk[seg]
+        self.enc = _Runs(lay.seg_off[seg] + idx * c, np.clip(lay.numel[seg] - idx * c, 0, c), c,
+                         idx * lay.section + lay.pay_off[seg], seg, idx, lay.words[seg])
+        self._enc_table = self.enc.encode_table()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _lib(self, *tensors: torch.Tensor):
+        if self.kind is None or any(t is not None and (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.uint8)
+                                                       or not t.is_contiguous()) for t in tensors):
+            return None
+        return kernels.library()
+
+    def uses_native(self, like: torch.Tensor) -> bool:
+        return self._lib(like) is not None
+
+    # -- encode ------------------------------------------------------------------------
+    def encode(self, g: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+               skip: Optional[np.ndarray] = None) -> None:
+        """Encode the flat bucket ``g`` (with error feedback into ``residual`` when given) into
+        the sections of ``out`` (uint8, ``chunks * section`` bytes; flags not written)."""
+        lib = self._lib(g, residual, out)
+        if lib is not None:
+            self._encode_native(lib, g, residual, out, skip)
+        else:
+            self._encode_torch(g, residual, out, skip)
+
+    def _encode_native(self, lib, g, residual, out, skip) -> None:
+        table, n = self._enc_table, self.enc.count
+        sk = None if skip is None else skip.ctypes.data
+        e = _ptr(residual)
+        if self.kind == KIND_TWOBIT:
+            lib.lb_twobit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.codec.threshold, out.data_ptr())
+            return
+        if self.kind == KIND_TWOBIT_REL:
+            rc = lib.lb_twobit_rel_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.codec.relative,
+                                          self.codec.scale_block or 0, out.data_ptr())
+        else:
+            rc = lib.lb_onebit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, out.data_ptr())
+        if rc != 0:
+            raise MemoryError("native codec kernel could not allocate its scratch")
+
+    def _encode_torch(self, g, residual, out, skip) -> None:
+        runs, lay = self.enc, self.layout
+        for k in range(runs.count):
+            s, i = int(runs.seg[k]), int(runs.chunk_index[k])
+            src, n, c, dst = int(runs.src[k]), int(runs.length[k]), int(runs.c[k]), int(runs.dst[k])
+            keep = None
+            if skip is not None and skip[k, 1] > skip[k, 0]:
+                keep = torch.ones(n, dtype=torch.bool, device=g.device)
+                keep[int(skip[k, 0]):int(min(skip[k, 1], n))] = False
+            chunk = torch.zeros(c, dtype=torch.float32, device=g.device)
+            chunk[:n] = g[src:src + n] if keep is None else g[src:src + n] * keep
+            name = self.name_of(lay.names[s], i)
+            if residual is None:
+                payload, ctx = self.codec.compress(chunk, name)
+            else:
+                buf = torch.zeros(c, dtype=torch.float32, device=g.device)
+                e = residual[src:src + n]
+                buf[:n] = e if keep is None else torch.where(keep, e, 0.0)
+                payload, ctx = self.codec.compress_residual_(buf, name, add=chunk)
+                if keep is None:
+                    e.copy_(buf[:n])
+                else:
+                    e.copy_(torch.where(keep, buf[:n], e))
+            self._ctx[(s, i)] = ctx
+            raw = payload_to_bytes(payload).to(out.device)
+            out[dst:dst + raw.numel()] = raw
+
+    # -- decode ------------------------------------------------------------------------
+    def runs(self, seg, section_of, chunk_of, dst, length) -> _Runs:
+        """Decode runs (numpy arrays, one entry per run): segment ``seg``'s payload in section
+        ``section_of`` (relative to the source base), produced as chunk ``chunk_of`` (the torch
+        path's ctx); ``length`` decoded elements go to ``out[dst:]``."""
+        lay = self.layout
+        seg = np.asarray(seg, dtype=np.int64)
+        return _Runs(np.asarray(section_of, dtype=np.int64) * lay.section + lay.pay_off[seg],
+                     np.asarray(length, dtype=np.int64), lay.chunk[seg], np.asarray(dst, dtype=np.int64), seg,
+                     np.asarray(chunk_of, dtype=np.int64), lay.words[seg])
+
+    def decode(self, src: torch.Tensor, sources: int, runs: _Runs, table: np.ndarray, out: torch.Tensor,
+               from_zero: bool, divisor: float) -> None:
+        """``out[dst : dst+len] = (0 +)? sum over the ``sources`` sections (stride one section)
+        of each run's decoded chunk, / divisor``. ``src``: uint8 bytes."""
+        lib = self._lib(src, out)
+        if lib is not None:
+            c = self.codec
+            t = float(c.threshold) if self.kind == KIND_TWOBIT else 0.0
+            bs = int(c.scale_block or 0) if self.kind == KIND_TWOBIT_REL else 0
+            lib.lb_decode(self.kind, src.data_ptr(), self.layout.section // 4, sources, table.ctypes.data, runs.count,
+                          t, bs, int(from_zero), float(divisor), out.data_ptr())
+            return
+        lay = self.layout
+        for k in range(runs.count):
+            s, c, n, dst = int(runs.seg[k]), int(runs.c[k]), int(runs.length[k]), int(runs.dst[k])
+            ctx = self._ctx.get((s, int(runs.chunk_index[k])))
+            if ctx is None:
+                ctx = self.codec.context_for(c, torch.float32, self.name_of(lay.names[s], int(runs.chunk_index[k])))
+            like = self.fmt.like(c)
+            acc = None
+            for q in range(sources):
+                base = int(runs.src[k]) + q * lay.section
+                raw = src[base:base + int(lay.pay_bytes[s])].to(out.device)
+                d = self.codec.decompress(bytes_to_payload(raw, like), ctx).reshape(-1).to(torch.float32)[:n]
+                acc = (torch.zeros(n, device=out.device) + d if from_zero else d.clone()) if acc is None else acc.add_(d)
+            if acc is None:
+                acc = torch.zeros(n, device=out.device)
+            if divisor != 1.0:
+                acc = acc.div_(divisor)
+            out[dst:dst + n] = acc
+
+
+def payload_nbytes(codec: Compressor, n: int) -> int:
+    """Bytes of one compressed chunk of ``n`` elements (4-byte aligned)."""
+    return _align4(codec.payload_nbytes(as_shape(n)))

@@ -1,0 +1,75 @@
+"""Loader of the native codec kernels (``lowband_codecs.c``, built by ``pip install``).
+
+``LOWBAND_CODEC_KERNELS`` selects the implementation of the fused bucket codecs:
+``auto`` (default: native where the library loaded and the tensor is on the CPU, torch
+otherwise), ``native`` (fail if the library is missing) or ``torch`` (the bit-identical torch
+path everywhere). ctypes releases the GIL for every call, so a background thread encoding a
+bucket really runs beside the training thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import Optional
+
+ENV = "LOWBAND_CODEC_KERNELS"
+CHOICES = ("auto", "native", "torch")
+
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+_loaded = False
+
+_p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "lb_twobit_encode": (None, [_p, _p, _p, _i64, _p, _f32, _p]),
+    "lb_twobit_rel_encode": (_int, [_p, _p, _p, _i64, _p, _f32, _i64, _p]),
+    "lb_onebit_encode": (_int, [_p, _p, _p, _i64, _p, _p]),
+    "lb_decode": (None, [_int, _p, _i64, _i64, _p, _i64, _f32, _i64, _int, _f32, _p]),
+    "lb_canon_sum": (_f32, [_p, _i64]),
+}
+
+
+def mode() -> str:
+    """The selected implementation (``ValueError`` for an unknown value of the variable)."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={value!r}; choose one of: {', '.join(CHOICES)}")
+    return value
+
+
+def _load() -> None:
+    global _lib, _error, _loaded
+    _loaded = True
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_lowband_codecs*.so")) + glob.glob(os.path.join(here, "_lowband_codecs*.pyd")))
+    if not found:
+        _error = f"native codec library not built in {here} (reinstall lowband with a C compiler)"
+        return
+    try:
+        lib = ctypes.CDLL(found[0])
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+    except (OSError, AttributeError) as exc:
+        _error = f"native codec library {found[0]} failed to load: {exc}"
+        return
+    _lib = lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded library, or None when the torch path is selected or it is unavailable
+    (``RuntimeError`` when ``LOWBAND_CODEC_KERNELS=native`` and it is unavailable)."""
+    m = mode()
+    if m == "torch":
+        return None
+    if not _loaded:
+        _load()
+    if _lib is None and m == "native":
+        raise RuntimeError(f"{ENV}=native but {_error}")
+    return _lib
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the library did not load (None when it did or was never tried)."""
+    return _error

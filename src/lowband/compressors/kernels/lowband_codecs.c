@@ -1,0 +1,399 @@
+/* Fused bucket-level codec kernels (2-bit MXNet, 2-bit scale-aware, 1-bit with scale).
+ *
+ * Plain C, no Python or torch headers: lowband loads this library with ctypes and passes
+ * data_ptr()s, and ctypes releases the GIL for the duration of every call. Built by
+ * `pip install` (setuptools Extension in setup.py); when it is missing lowband uses the
+ * bit-identical torch path (lowband/compressors/bucket.py).
+ *
+ * Semantics are those of lowband.compressors.twobit / onebit applied to each chunk:
+ *   r = e + g (e: residual, g: input); codes from r; e = r - decode(codes).
+ * A *run* is one chunk: `len` real elements at g[src..src+len) followed by c-len zeros of
+ * padding (the two-stage layout zero-pads a segment to N equal chunks). Chunk-local elements
+ * in [skip_lo, skip_hi) are encoded as zeros and their residual is left untouched
+ * (exact ranges, segments this rank has no gradient for).
+ *
+ * Sums (RMS, mean magnitude, 1-bit scale) use lowband's canonical order so that the torch
+ * path can reproduce them bit for bit: rows of 256 (zero-padded) folded in halves
+ * (y[j] = x[j] + x[j + w] for w = 128, 64, ..., 1), the row sums summed the same way.
+ * All summed terms are >= 0, so extra zero padding never changes a result.
+ * Compile with -ffp-contract=off (no FMA) and without -ffast-math.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <float.h>
+
+#define ROW 256
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__clang__)
+#define LB_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define LB_CLONES
+#endif
+
+enum { RUN_SRC = 0, RUN_LEN = 1, RUN_C = 2, RUN_WORD = 3, RUN_SCALE = 4, RUN_COLS = 5 };
+
+static float fold256(float *x) {
+    for (int w = ROW / 2; w >= 1; w >>= 1)
+        for (int j = 0; j < w; ++j) x[j] = x[j] + x[j + w];
+    return x[0];
+}
+
+/* canonical sum of n >= 0 non-negative floats; x is clobbered (used as scratch) */
+static float canon_sum_inplace(float *x, int64_t n) {
+    float row[ROW];
+    if (n == 0) return 0.0f;
+    if (n == ROW) return fold256(x);
+    while (1) {
+        int64_t rows = (n + ROW - 1) / ROW;
+        for (int64_t k = 0; k < rows; ++k) {
+            int64_t m = n - k * ROW < ROW ? n - k * ROW : ROW;
+            memcpy(row, x + k * ROW, (size_t)m * sizeof(float));
+            if (m < ROW) memset(row + m, 0, (size_t)(ROW - m) * sizeof(float));
+            x[k] = fold256(row);
+        }
+        if (rows == 1) return x[0];
+        n = rows;
+    }
+}
+
+/* r for chunk-local element j of a run (0 for padding and skipped elements) */
+static inline float chunk_r(const float *g, const float *e, int64_t src, int64_t len,
+                            int64_t lo, int64_t hi, int64_t j) {
+    if (j >= len || (j >= lo && j < hi)) return 0.0f;
+    return e ? e[src + j] + g[src + j] : g[src + j];
+}
+
+/* ---------------------------------------------------------------- 2-bit, fixed threshold */
+/* MXNet code bytes (0b11 = +1, 0b10 = -1, 0b00 = 0), one per element, of `m` elements
+ * (a multiple of 16) packed 16 per word, element j of a word in byte j/4 under 0xc0 >> 2(j%4):
+ * the four code bytes of a byte-quad times MAGIC land at bits 30, 28, 26, 24. */
+#define MAGIC2 ((1u << 30) + (1u << 20) + (1u << 10) + 1u)
+static inline void pack_codes(const uint8_t *codes, int64_t m, uint32_t *words) {
+    for (int64_t w = 0; w < m / 16; ++w) {
+        uint32_t word = 0;
+        for (int b = 0; b < 4; ++b) {
+            uint32_t quad;
+            memcpy(&quad, codes + 16 * w + 4 * b, 4);
+            word |= ((quad * MAGIC2) >> 24) << (8 * b);
+        }
+        words[w] = word;
+    }
+}
+
+#define GROUP 256
+/* r = e + g for m elements; codes; e = r + (-t)*y with y = (r >= t) - (r <= -t), exactly the
+ * torch path's r.add_(trunc(clamp(r/t, -1, 1)), alpha=-t) (y = 0 leaves r, -0.0 included) */
+LB_CLONES
+static void twobit_dense(const float *g, float *e, int64_t m, float t, uint8_t *codes) {
+    float mt = -t;
+    if (e) {
+        for (int64_t j = 0; j < m; ++j) {
+            float r = e[j] + g[j];
+            int p = r >= t, n = r <= mt;
+            codes[j] = (uint8_t)(p * 3 + n * 2);
+            e[j] = r + mt * (float)(p - n);
+        }
+    } else {
+        for (int64_t j = 0; j < m; ++j) {
+            float r = g[j];
+            int p = r >= t, n = r <= mt;
+            codes[j] = (uint8_t)(p * 3 + n * 2);
+        }
+    }
+}
+
+static void twobit_run(const float *g, float *e, int64_t src, int64_t len, int64_t c,
+                       int64_t lo, int64_t hi, float t, uint32_t *words) {
+    uint8_t codes[GROUP];
+    float mt = -t;
+    for (int64_t j0 = 0; j0 < c; j0 += GROUP) {
+        int64_t m = c - j0 < GROUP ? c - j0 : GROUP;
+        int64_t mpad = (m + 15) / 16 * 16;
+        if (j0 + m <= len && (hi <= j0 || lo >= j0 + m)) {
+            twobit_dense(g + src + j0, e ? e + src + j0 : NULL, m, t, codes);
+        } else {
+            for (int64_t j = 0; j < m; ++j) {
+                int64_t jj = j0 + j;
+                float r = chunk_r(g, e, src, len, lo, hi, jj);
+                int p = r >= t, n = r <= mt;
+                codes[j] = (uint8_t)(p * 3 + n * 2);
+                if (e && jj < len && !(jj >= lo && jj < hi)) e[src + jj] = r + mt * (float)(p - n);
+            }
+        }
+        if (mpad > m) memset(codes + m, 0, (size_t)(mpad - m));
+        pack_codes(codes, mpad, words + j0 / 16);
+    }
+}
+
+void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
+                      const int64_t *skip, float t, int32_t *dst) {
+    for (int64_t k = 0; k < nruns; ++k) {
+        const int64_t *r = runs + RUN_COLS * k;
+        int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
+        twobit_run(g, e, r[RUN_SRC], r[RUN_LEN], r[RUN_C], lo, hi, t, (uint32_t *)(dst + r[RUN_WORD]));
+    }
+}
+
+/* ---------------------------------------------------------------- 2-bit, scale-aware */
+/* One scale block [b0, b0+L) of a chunk: t = max(a*sqrt(sum r^2 / L), FLT_MIN);
+ * fired = |r| >= t; v = sum fired |r| / nfired (t when nothing fires); codes; e = r - s*v.
+ * scratch: 2*L floats + L bytes. */
+LB_CLONES
+static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64_t lo, int64_t hi,
+                       int64_t b0, int64_t L, float a, uint32_t *words, float *scratch) {
+    float *rv = scratch, *tmp = scratch + L;
+    uint8_t *codes = (uint8_t *)(scratch + 2 * L);
+    int simple = (b0 + L <= len) && (hi <= b0 || lo >= b0 + L);
+    if (simple) {
+        const float *gp = g + src + b0;
+        if (e) {
+            const float *ep = e + src + b0;
+            for (int64_t j = 0; j < L; ++j) { float r = ep[j] + gp[j]; rv[j] = r; tmp[j] = r * r; }
+        } else {
+            for (int64_t j = 0; j < L; ++j) { float r = gp[j]; rv[j] = r; tmp[j] = r * r; }
+        }
+    } else {
+        for (int64_t j = 0; j < L; ++j) { float r = chunk_r(g, e, src, len, lo, hi, b0 + j); rv[j] = r; tmp[j] = r * r; }
+    }
+    float sq = canon_sum_inplace(tmp, L);
+    float t = sqrtf(sq / (float)L) * a;
+    if (t < FLT_MIN) t = FLT_MIN;       /* NaN stays NaN */
+    float mt = -t;
+    int64_t nf = 0;
+    for (int64_t j = 0; j < L; ++j) {
+        float m = fabsf(rv[j]);
+        int f = m >= t;
+        nf += f;
+        tmp[j] = f ? m : 0.0f;
+    }
+    float sa = canon_sum_inplace(tmp, L);
+    float v = nf > 0 ? sa / (float)nf : t;
+    float *ep = e ? e + src + b0 : NULL;
+    float *res = (simple && e) ? ep : tmp;
+    for (int64_t j = 0; j < L; ++j) {
+        int p = rv[j] >= t, n = rv[j] <= mt;
+        codes[j] = (uint8_t)(p * 3 + n * 2);
+        res[j] = rv[j] - (float)(p - n) * v;
+    }
+    if (e && !simple) {
+        for (int64_t j = 0; j < L; ++j) {
+            int64_t jj = b0 + j;
+            if (jj < len && !(jj >= lo && jj < hi)) ep[j] = tmp[j];
+        }
+    }
+    if ((b0 & 15) == 0 && (L & 15) == 0) {
+        pack_codes(codes, L, words + b0 / 16);
+    } else {
+        for (int64_t j = 0; j < L; ++j) {
+            int64_t jj = b0 + j;
+            words[jj >> 4] |= (uint32_t)codes[j] << (8 * ((jj >> 2) & 3) + 6 - 2 * (jj & 3));
+        }
+    }
+    return v;
+}
+
+int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
+                         const int64_t *skip, float a, int64_t bs, int32_t *dst) {
+    int64_t maxL = 0;
+    for (int64_t k = 0; k < nruns; ++k) {
+        int64_t c = runs[RUN_COLS * k + RUN_C];
+        int64_t L = bs > 0 && bs < c ? bs : c;
+        if (L > maxL) maxL = L;
+    }
+    float stack[3 * 1024];
+    float *scratch = maxL <= 1024 ? stack : (float *)malloc((size_t)(3 * maxL) * sizeof(float));
+    if (!scratch) return -1;
+    for (int64_t k = 0; k < nruns; ++k) {
+        const int64_t *r = runs + RUN_COLS * k;
+        int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
+        int64_t c = r[RUN_C];
+        int64_t B = bs > 0 ? bs : (c > 0 ? c : 1);
+        uint32_t *words = (uint32_t *)(dst + r[RUN_WORD]);
+        float *scales = (float *)(dst + r[RUN_SCALE]);
+        memset(words, 0, (size_t)((c + 15) / 16) * sizeof(uint32_t));
+        for (int64_t b = 0, b0 = 0; b0 < c; ++b, b0 += B) {
+            int64_t L = c - b0 < B ? c - b0 : B;
+            scales[b] = rel_block(g, e, r[RUN_SRC], r[RUN_LEN], lo, hi, b0, L, a, words, scratch);
+        }
+    }
+    if (scratch != stack) free(scratch);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- 1-bit with scale */
+/* scale = canonical sum |r| / max(c, 1); bit = sign bit of r (MSB-first stream);
+ * e = r - copysign(scale, r). Two passes over the chunk (the scale needs all of it). */
+LB_CLONES
+static void abs_r(const float *g, const float *e, int64_t m, float *out) {
+    if (e) for (int64_t j = 0; j < m; ++j) out[j] = fabsf(e[j] + g[j]);
+    else for (int64_t j = 0; j < m; ++j) out[j] = fabsf(g[j]);
+}
+
+LB_CLONES
+static void onebit_dense(const float *g, float *e, int64_t m, float scale, uint8_t *bits) {
+    for (int64_t j = 0; j < m; ++j) {
+        float r = e ? e[j] + g[j] : g[j];
+        uint32_t u;
+        memcpy(&u, &r, 4);
+        bits[j] = (uint8_t)(u >> 31);
+        if (e) e[j] = r - copysignf(scale, r);
+    }
+}
+
+/* eight 0/1 bytes -> one MSB-first byte (the bit-gather multiply of bitpack.py) */
+static inline void pack_bits8(const uint8_t *bits, int64_t m, uint8_t *out) {
+    for (int64_t k = 0; k < m / 8; ++k) {
+        uint64_t oct;
+        memcpy(&oct, bits + 8 * k, 8);
+        out[k] = (uint8_t)((oct * 0x8040201008040201ull) >> 56);
+    }
+}
+
+int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
+                     const int64_t *skip, int32_t *dst) {
+    int64_t maxc = 0;
+    for (int64_t k = 0; k < nruns; ++k)
+        if (runs[RUN_COLS * k + RUN_C] > maxc) maxc = runs[RUN_COLS * k + RUN_C];
+    float *tmp = (float *)malloc((size_t)(maxc > 0 ? maxc : 1) * sizeof(float));
+    if (!tmp) return -1;
+    uint8_t bits[GROUP];
+    for (int64_t k = 0; k < nruns; ++k) {
+        const int64_t *r = runs + RUN_COLS * k;
+        int64_t src = r[RUN_SRC], len = r[RUN_LEN], c = r[RUN_C];
+        int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
+        uint8_t *words = (uint8_t *)(dst + r[RUN_WORD]);
+        int simple = hi <= lo || hi <= 0 || lo >= len;
+        if (simple) {
+            abs_r(g + src, e ? e + src : NULL, len, tmp);
+            memset(tmp + len, 0, (size_t)(c - len) * sizeof(float));
+        } else {
+            for (int64_t j = 0; j < c; ++j) tmp[j] = fabsf(chunk_r(g, e, src, len, lo, hi, j));
+        }
+        float scale = canon_sum_inplace(tmp, c) / (float)(c > 1 ? c : 1);
+        int64_t nw = (c + 31) / 32;
+        for (int64_t j0 = 0; j0 < nw * 32; j0 += GROUP) {
+            int64_t m = nw * 32 - j0 < GROUP ? nw * 32 - j0 : GROUP;
+            if (simple && j0 + m <= len) {
+                onebit_dense(g + src + j0, e ? e + src + j0 : NULL, m, scale, bits);
+            } else {
+                for (int64_t j = 0; j < m; ++j) {
+                    int64_t jj = j0 + j;
+                    float rj = jj < c ? chunk_r(g, e, src, len, lo, hi, jj) : 0.0f;
+                    uint32_t u;
+                    memcpy(&u, &rj, 4);
+                    bits[j] = (uint8_t)(u >> 31);
+                    if (e && jj < len && !(jj >= lo && jj < hi)) e[src + jj] = rj - copysignf(scale, rj);
+                }
+            }
+            pack_bits8(bits, m, words + j0 / 8);
+        }
+        *(float *)(dst + r[RUN_SCALE]) = scale;
+    }
+    free(tmp);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- decode (+ accumulate) */
+/* Decode runs from K payload sections (section k at src + k*stride int32 words) and combine
+ * them: out = (from_zero ? 0 + d_0 : d_0) + d_1 + ... + d_{K-1}, divided by `divisor` when it
+ * is not 1. A decode run: src_word, src_scale, c, dst_off, len (only `len` of the chunk's c
+ * elements are written). kind: 0 = 2-bit fixed (scale = t), 1 = 2-bit scale-aware (block bs),
+ * 2 = 1-bit. */
+#define TILE 2048
+static float LUT2[256][4];     /* MXNet byte -> four signs (+1, -1, 0; 0b01 decodes to 0) */
+static uint32_t LUT1[256][8];  /* 1-bit byte -> eight sign-bit masks */
+static int lut_ready = 0;
+
+static void init_lut(void) {
+    if (lut_ready) return;
+    for (int b = 0; b < 256; ++b) {
+        for (int q = 0; q < 4; ++q) {
+            int code = (b >> (6 - 2 * q)) & 3;
+            LUT2[b][q] = code == 3 ? 1.0f : (code == 2 ? -1.0f : 0.0f);
+        }
+        for (int q = 0; q < 8; ++q) LUT1[b][q] = (uint32_t)((b >> (7 - q)) & 1) << 31;
+    }
+    lut_ready = 1;
+}
+
+/* decoded values of chunk elements [j0, j0+m) (j0 a multiple of 8) into vals */
+LB_CLONES
+static void decode_tile(int kind, const int32_t *sec, int64_t sword, int64_t sscale, int64_t j0,
+                        int64_t m, float t, int64_t bs, float *vals) {
+    const uint8_t *bytes = (const uint8_t *)(sec + sword);
+    if (kind == 2) {
+        float scale = *(const float *)(sec + sscale);
+        uint32_t sb, u[8];
+        memcpy(&sb, &scale, 4);
+        int64_t full = m / 8;
+        for (int64_t k = 0; k < full; ++k) {
+            const uint32_t *l = LUT1[bytes[(j0 >> 3) + k]];
+            for (int q = 0; q < 8; ++q) u[q] = sb | l[q];
+            memcpy(vals + 8 * k, u, 32);
+        }
+        for (int64_t j = 8 * full; j < m; ++j) {
+            int64_t jj = j0 + j;
+            uint32_t w = sb | LUT1[bytes[jj >> 3]][jj & 7];
+            memcpy(vals + j, &w, 4);
+        }
+        return;
+    }
+    int64_t quads = (m + 3) / 4;
+    float tmp4[TILE + 4];
+    for (int64_t k = 0; k < quads; ++k) memcpy(tmp4 + 4 * k, LUT2[bytes[(j0 >> 2) + k]], 16);
+    if (kind == 0) {
+        for (int64_t j = 0; j < m; ++j) vals[j] = tmp4[j] * t;
+    } else {
+        const float *v = (const float *)(sec + sscale);
+        for (int64_t j = 0; j < m;) {
+            int64_t jj = j0 + j, b = jj / bs, end = (b + 1) * bs - j0;
+            if (end > m) end = m;
+            float vb = v[b];
+            for (; j < end; ++j) vals[j] = tmp4[j] * vb;
+        }
+    }
+}
+
+LB_CLONES
+static void acc_add(float *acc, const float *vals, int64_t m) {
+    for (int64_t j = 0; j < m; ++j) acc[j] = acc[j] + vals[j];
+}
+
+void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const int64_t *runs,
+               int64_t nruns, float t, int64_t bs, int from_zero, float divisor, float *out) {
+    float acc[TILE], vals[TILE];
+    init_lut();
+    for (int64_t k = 0; k < nruns; ++k) {
+        const int64_t *r = runs + RUN_COLS * k;
+        int64_t sword = r[0], sscale = r[1], c = r[2], dst = r[3], len = r[4];
+        int64_t B = bs > 0 ? bs : (c > 0 ? c : 1);
+        for (int64_t j0 = 0; j0 < len; j0 += TILE) {
+            int64_t m = len - j0 < TILE ? len - j0 : TILE;
+            float *a = (K == 1 && !from_zero && divisor == 1.0f) ? out + dst + j0 : acc;
+            for (int64_t q = 0; q < K; ++q) {
+                if (q == 0 && !from_zero) {
+                    decode_tile(kind, src + q * stride, sword, sscale, j0, m, t, B, a);
+                } else {
+                    if (q == 0) for (int64_t j = 0; j < m; ++j) a[j] = 0.0f;
+                    decode_tile(kind, src + q * stride, sword, sscale, j0, m, t, B, vals);
+                    acc_add(a, vals, m);
+                }
+            }
+            if (K == 0) for (int64_t j = 0; j < m; ++j) a[j] = 0.0f;
+            if (divisor != 1.0f) for (int64_t j = 0; j < m; ++j) a[j] = a[j] / divisor;
+            if (a != out + dst + j0) memcpy(out + dst + j0, a, (size_t)m * sizeof(float));
+        }
+    }
+}
+
+/* for tests: the canonical sum of x[0..n) (copied, not clobbered) */
+float lb_canon_sum(const float *x, int64_t n) {
+    float *tmp = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!tmp) return NAN;
+    memcpy(tmp, x, (size_t)n * sizeof(float));
+    float s = canon_sum_inplace(tmp, n);
+    free(tmp);
+    return s;
+}

@@ -1,0 +1,330 @@
+"""One ordered queue per rank for every collective of an algorithm, and the compressed reducer.
+
+:class:`Pipeline` owns one background thread and a private process group built from the
+caller's group (``dist.get_process_group_ranks``, so lowband also runs on a sub-group). Every
+job submitted to it runs in submission order; since every rank submits the same jobs in the
+same order (buckets launch in a fixed order), every rank issues the same sequence of
+collectives on the private group. An algorithm sends *all* its collectives through one
+pipeline (fp32 warm-up all-reduces, fp32 buckets of 1-D parameters, compressed buckets,
+corrections): two independent queues could be interleaved differently on different ranks.
+
+:class:`CompressedReducer` is what the compressing algorithms hold (``self.reducer``): it
+averages flat fp32 buckets through a codec with error feedback, on the pipeline, with the
+surface of the interface contract (``start``, ``start_full_precision``, handles with
+``wait``/``done``/``present``, ``state_dict`` keyed by parameter name). It owns the residuals
+(one flat tensor per bucket for the workers, one per bucket for this rank's server chunks),
+the exact ranges and the residual flushes; the byte flow is the collective's plan
+(:mod:`lowband.collectives.compressed`).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .collectives.communicator import Communicator
+from .collectives.compressed import COLLECTIVES, Plan, make_plan
+from .compressors import Compressor, ErrorFeedback
+
+Segments = Sequence[tuple[str, int]]
+
+
+def private_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
+    """A new process group with the ranks of ``comm``'s group (members only synchronize)."""
+    if comm.world_size == 1:
+        return comm.group
+    ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+
+
+class Handle:
+    """An in-flight job of the pipeline; ``wait()`` returns its tensor. Time spent in
+    ``wait()`` is charged to the exposed-communication clock. After ``wait()``, ``present``
+    is a bool tensor per segment: whether any rank produced that segment's gradient."""
+
+    def __init__(self, future: Future, comm: Communicator):
+        self._future = future
+        self._comm = comm
+        self.present: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        result, present = self._future.result()
+        self._comm.stats.comm_wait_s += time.perf_counter() - t0
+        self.present = present
+        return result
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(handle)`` when the job finishes (on the pipeline's thread); inside,
+        ``handle.exception()`` / ``handle.result()`` do not block."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def exception(self) -> Optional[BaseException]:
+        return self._future.exception()
+
+    def result(self) -> torch.Tensor:
+        """The tensor (blocking without charging the wait clock: for callbacks)."""
+        result, present = self._future.result()
+        self.present = present
+        return result
+
+
+#: the contract's name for a handle
+PendingReduce = Handle
+
+
+class Pipeline:
+    """One background thread and one private process group: jobs run in submission order."""
+
+    def __init__(self, comm: Communicator, name: str = "lowband") -> None:
+        self.caller = comm
+        self.comm = Communicator(private_group(comm), comm.stats, time_waits=False)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-pipeline")
+        self._closed = False
+
+    def submit(self, fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]], *args: Any) -> Handle:
+        """Queue ``fn(*args)`` (returning ``(tensor, present)``) behind every earlier job."""
+        return Handle(self._executor.submit(fn, *args), self.caller)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the queue (after every earlier job) and return its result."""
+        return self._executor.submit(fn, *args).result()
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> Handle:
+        """fp32 average of a copy of ``tensor`` (no present flags: ``present`` stays None)."""
+        buf = tensor.detach().clone()
+
+        def job():
+            self.comm.all_reduce(buf, op=dist.ReduceOp.AVG)
+            return buf, None
+        return self.submit(job)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._executor.shutdown(wait=True)
+            self._closed = True
+
+
+@dataclass
+class _Bucket:
+    """Per-bucket state of the reducer: its plan and residuals."""
+
+    segments: list[tuple[str, int]]
+    plan: Plan
+    e_worker: Optional[torch.Tensor]
+    e_server: Optional[torch.Tensor]
+
+
+def _check_segments(tensor: torch.Tensor, name: str, segments: Optional[Segments]) -> list[tuple[str, int]]:
+    segs = [(name, tensor.numel())] if segments is None else [(str(s), int(n)) for s, n in segments]
+    if sum(n for _, n in segs) != tensor.numel():
+        raise ValueError(f"segments of {name!r} cover {sum(n for _, n in segs)} elements, tensor has {tensor.numel()}")
+    return segs
+
+
+def _flags(present: Optional[torch.Tensor], count: int) -> Optional[np.ndarray]:
+    if present is None:
+        return None
+    flags = present.detach().reshape(-1).to("cpu", torch.bool).numpy().copy()
+    if flags.size != count:
+        raise ValueError(f"present has {flags.size} entries for {count} segments")
+    return flags
+
+
+class CompressedReducer:
+    """Compressed averaging of flat fp32 buckets on an ordered pipeline (module docstring).
+
+    Args:
+        kind: ``two-stage`` or ``allgather``.
+        comm: the caller's counted communicator (its group's ranks take part, its stats get
+            the bytes and the exposed wait time).
+        codec: the worker codec, wrapped in :class:`ErrorFeedback` for residual memory (the
+            reducer keeps the residuals itself, keyed by parameter name).
+        server_codec: two-stage's owner-side codec (default: a fresh copy of the worker codec;
+            it always has error feedback).
+        pipeline: share an existing pipeline (default: a new one).
+    """
+
+    def __init__(self, kind: str, comm: Communicator, codec: Compressor,
+                 server_codec: Optional[Compressor] = None, pipeline: Optional[Pipeline] = None) -> None:
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}; choose one of: {', '.join(COLLECTIVES)}")
+        self.name = kind
+        self.comm = comm
+        self.error_feedback = isinstance(codec, ErrorFeedback)
+        self.codec = codec.inner if self.error_feedback else codec
+        if isinstance(server_codec, ErrorFeedback):
+            server_codec = server_codec.inner
+        self.server_codec = copy.deepcopy(self.codec) if server_codec is None else server_codec
+        self.world_size, self.rank = comm.world_size, comm.rank
+        self.pipeline = pipeline if pipeline is not None else Pipeline(comm, kind)
+        self._owns_pipeline = pipeline is None
+        self._buckets: dict[str, _Bucket] = {}
+        self._pending: dict[str, dict[str, torch.Tensor]] = {"worker": {}, "server": {}}
+
+    # -- buckets -------------------------------------------------------------------------
+    def _bucket(self, name: str, segments: list[tuple[str, int]], device: torch.device) -> _Bucket:
+        b = self._buckets.get(name)
+        if b is not None:
+            if b.segments != segments:
+                raise ValueError(f"bucket {name!r} was started with other segments before")
+            return b
+        plan = make_plan(self.name, self.world_size, self.rank, segments, self.codec, self.server_codec)
+        e_worker = torch.zeros(plan.numel, dtype=torch.float32, device=device) if self.error_feedback else None
+        e_server = torch.zeros(plan.server_numel, dtype=torch.float32, device=device) if plan.server_numel else None
+        b = _Bucket(segments, plan, e_worker, e_server)
+        self._buckets[name] = b
+        self._restore(b)
+        return b
+
+    def _views(self, b: _Bucket, which: str) -> dict[str, torch.Tensor]:
+        """Per-parameter views of a bucket's worker or server residual."""
+        e = b.e_worker if which == "worker" else b.e_server
+        if e is None:
+            return {}
+        lay = b.plan.layout if which == "worker" else b.plan.server_layout
+        return {n: e[int(o):int(o) + int(k)] for n, o, k in zip(lay.names, lay.seg_off, lay.numel)}
+
+    def _restore(self, b: _Bucket) -> None:
+        for which in ("worker", "server"):
+            for n, view in self._views(b, which).items():
+                saved = self._pending[which].pop(n, None)
+                if saved is None:
+                    continue
+                if saved.numel() != view.numel():
+                    raise ValueError(f"saved {which} residual of {n!r} has {saved.numel()} elements, expected "
+                                     f"{view.numel()} (a different model or, for the server, world size)")
+                view.copy_(saved.reshape(-1))
+
+    # -- contract ------------------------------------------------------------------------
+    def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
+              exact: Optional[tuple[int, int]] = None, flush_exact: bool = False,
+              present: Optional[torch.Tensor] = None) -> Handle:
+        """Average flat fp32 ``tensor`` through the codec with error feedback, on the queue.
+        ``exact=(lo, hi)``: those elements are averaged exactly in fp32 instead (codes 0,
+        residual untouched unless ``flush_exact``: then it is added and zeroed). ``present``:
+        bool per segment, whether this rank produced it (absent segments: zeros, residual
+        untouched). The tensor is copied before ``start`` returns."""
+        segs = _check_segments(tensor, name, segments)
+        lo, hi = (0, 0) if exact is None else (int(exact[0]), int(exact[1]))
+        if not (0 <= lo <= hi <= tensor.numel()):
+            raise ValueError(f"exact range {exact} outside a tensor of {tensor.numel()} elements")
+        snapshot = tensor.detach().reshape(-1).to(torch.float32, copy=True)
+        return self.pipeline.submit(self._run, name, segs, snapshot, _flags(present, len(segs)), lo, hi, flush_exact)
+
+    def _run(self, name, segs, g, flags, lo, hi, flush_exact):
+        b = self._bucket(name, segs, g.device)
+        comm = self.pipeline.comm
+        exact_work, ex = None, None
+        if hi > lo:
+            ex = g[lo:hi].clone()
+            if flush_exact and b.e_worker is not None:
+                ex.add_(b.e_worker[lo:hi])
+                b.e_worker[lo:hi].zero_()
+            exact_work = comm.all_reduce(ex, op=dist.ReduceOp.AVG, async_op=True)
+        out, present = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi)
+        if exact_work is not None:
+            exact_work.wait()
+            out[lo:hi] = ex
+        return out, torch.from_numpy(present)
+
+    def start_full_precision(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
+                             flush_residuals: bool = False, present: Optional[torch.Tensor] = None) -> Handle:
+        """fp32 average of the whole tensor on the same queue. With ``flush_residuals`` every
+        segment's worker residual (and this rank's server residual, times N because the
+        all-reduce averages) is added to the contribution and zeroed."""
+        segs = _check_segments(tensor, name, segments)
+        flags = _flags(present, len(segs))
+        n = tensor.numel()
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        if flags is None:
+            buf = flat.clone()
+        else:
+            buf = torch.empty(n + len(segs), dtype=torch.float32, device=flat.device)
+            buf[:n] = flat
+            buf[n:] = torch.from_numpy(flags.astype(np.float32)).to(flat.device)
+        return self.pipeline.submit(self._run_full, name, segs, buf, n, flags is not None, flush_residuals)
+
+    def _run_full(self, name, segs, buf, n, with_flags, flush):
+        if flush:
+            b = self._buckets.get(name)
+            if b is not None:
+                self._flush(b, buf[:n])
+        self.pipeline.comm.all_reduce(buf, op=dist.ReduceOp.AVG)
+        present = buf[n:] > 0 if with_flags else torch.ones(len(segs), dtype=torch.bool)
+        return buf[:n], present.cpu()
+
+    def _flush(self, b: _Bucket, into: torch.Tensor) -> None:
+        """``into += worker residual (+ N * server residual of my chunks)``; both zeroed."""
+        if b.e_worker is None and b.e_server is None:
+            return
+        total = b.e_worker.clone() if b.e_worker is not None else torch.zeros_like(into)
+        if b.e_server is not None:
+            bucket_idx, server_idx = b.plan.mine_index(into.device)
+            total.index_add_(0, bucket_idx, b.e_server[server_idx], alpha=self.world_size)
+            b.e_server.zero_()
+        into.add_(total)
+        if b.e_worker is not None:
+            b.e_worker.zero_()
+
+    def reduce(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, **kw: Any) -> torch.Tensor:
+        """Synchronous convenience: ``start(...).wait()``."""
+        return self.start(tensor, name, segments, **kw).wait()
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals keyed by parameter name (taken after every queued job finished)."""
+        return self.pipeline.call(self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"world_size": self.world_size, "codec": self.codec.state_dict(),
+                               "server_codec": self.server_codec.state_dict()}
+        for which in ("worker", "server"):
+            d = {n: v.detach().clone() for n, v in self._pending[which].items()}
+            for b in self._buckets.values():
+                d.update({n: v.detach().clone() for n, v in self._views(b, which).items()})
+            out[which] = d
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipeline.call(self._load_state_dict, state)
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - {"world_size", "codec", "server_codec", "worker", "server"}
+        if unknown:
+            raise ValueError(f"compressed reducer: unknown state keys {sorted(unknown)}")
+        self._pending = {w: {str(k): v.detach().to(torch.float32) for k, v in state.get(w, {}).items()}
+                         for w in ("worker", "server")}
+        if self._pending["server"] and int(state.get("world_size", self.world_size)) != self.world_size:
+            raise ValueError(f"server residuals were saved at world size {state.get('world_size')}, "
+                             f"this run has {self.world_size}")
+        self.codec.load_state_dict(state.get("codec", {}))
+        self.server_codec.load_state_dict(state.get("server_codec", {}))
+        for b in self._buckets.values():
+            for e in (b.e_worker, b.e_server):
+                if e is not None:
+                    e.zero_()
+            self._restore(b)
+
+    def close(self) -> None:
+        if self._owns_pipeline:
+            self.pipeline.close()
+
+
+def make_reducer(kind: str, comm: Communicator, codec: Compressor, pipeline: Optional[Pipeline] = None
+                 ) -> CompressedReducer:
+    """The compressed reducer of collective ``kind`` (``two-stage`` or ``allgather``)."""
+    return CompressedReducer(kind, comm, codec, pipeline=pipeline)
+
+
+#: the contract's name (the algorithms call ``make_collective(kind, comm, codec)``)
+make_collective = make_reducer
