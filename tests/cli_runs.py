@@ -19,6 +19,12 @@ SMALL = ["--workers", "2", "--dataset", "synthetic", "--model", "mlp", "--batch-
 #: LOWBAND_ALL_ALGORITHMS=1 runs the command-line tests for all of them (about 5 more minutes).
 CLI_ALGORITHMS = sorted(lowband.ALGORITHMS) if os.environ.get("LOWBAND_ALL_ALGORITHMS") == "1" else \
     ["compressed", "cpsgd", "ddp", "lazy", "ssgd"]
+#: flags that end an algorithm's warm-up after a few steps, so a short command-line run reaches
+#: the compressed and pipelined phases (resume tests must run well past the warm-up)
+PAST_WARMUP = {
+    "compressed": ["--option", "warmup_steps=3"],
+    "cpsgd": ["--option", "warmup_steps=3", "--option", "correction_period=3"],
+}
 #: generous bound on one small run (a loaded 2-core machine needs ~10 s to start torch twice)
 RUN_DEADLINE_S = 120.0
 POLL_S = 0.05

@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import lowband
+from lowband.pipeline import CompressedReducer
+from lowband.algorithms.buckets import plan_buckets
+from lowband.algorithms.schedule import share_bounds
+from lowband.collectives.wire import MIB
 from lowband.compressors import ErrorFeedback, make_compressor
 
 from .distributed import run_distributed
@@ -33,15 +39,48 @@ def _run_ssgd(rank: int, world: int):
     return run_algorithm(rank, world, "ssgd", {"bucket_mb": BUCKET_MB}, STEPS)[0]
 
 
-def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Optional[dict]):
+def slow_share_masks(numel: int, k: int) -> list[torch.Tensor]:
+    """Element by element: element e of a bucket belongs to the last share j whose start
+    j*numel//k is <= e (the shares of the spread correction), as k boolean masks."""
+    owner = []
+    for e in range(numel):
+        j = 0
+        while j + 1 < k and (j + 1) * numel // k <= e:
+            j += 1
+        owner.append(j)
+    owner = torch.tensor(owner)
+    return [owner == j for j in range(k)]
+
+
+def spread_masks(params, k: int) -> list[list[torch.Tensor]]:
+    """Per phase, per parameter: which of its elements go exact (buckets as lowband plans them)."""
+    masks = [[torch.zeros(p.numel(), dtype=torch.bool) for p in params] for _ in range(k)]
+    for group in plan_buckets(params, range(len(params)), int(BUCKET_MB * MIB)):
+        numel = sum(params[i].numel() for i in group)
+        for j, share in enumerate(slow_share_masks(numel, k)):
+            offset = 0
+            for i in group:
+                masks[j][i] = share[offset:offset + params[i].numel()]
+                offset += params[i].numel()
+    return masks
+
+
+def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Optional[dict],
+             spread: bool = False, exact_semantics: str = "contract"):
     """Spec A.2 written out literally for N simulated workers in one process: global W and the
     optimizer on it, per-worker compute weights, per-worker per-bucket error feedback, and an
-    all-gather-style exact average of the decoded payloads."""
+    all-gather-style exact average of the decoded payloads.
+
+    ``spread``: at phase j of each cycle, share j of every bucket is averaged exactly and the
+    rest compressed. ``exact_semantics``: "contract" (an exact element is coded 0 and its
+    residual is neither used nor changed) or "adapter" (cpsgd's side channel before the reducer
+    had ``exact=``: the element enters compression as 0, its residual goes on as usual)."""
     torch.manual_seed(0)
     global_model = SmallNet()
     opt = sgd(global_model)
     params = list(global_model.parameters())
     names = [n for n, _ in global_model.named_parameters()]
+    masks = spread_masks(params, k) if spread else None
     workers = [copy.deepcopy(global_model) for _ in range(world)]
     efs = [ErrorFeedback(make_compressor(codec["name"], **codec["options"])) if codec else None for _ in range(world)]
     iters = [batches(r, world).epoch(0) for r in range(world)]
@@ -64,17 +103,31 @@ def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Opt
             for w in workers:
                 w.load_state_dict(global_model.state_dict())
             continue
-        correction = k is not None and (t - warmup) % k == 0
+        correction = k is not None and (t - warmup) % k == 0 and not spread
+        exact = [sum(g[i] for g in grads) / world for i in range(len(params))]
         if correction or codec is None:
-            c = [sum(g[i] for g in grads) / world for i in range(len(params))]
+            c = exact
         else:
+            mask = masks[(t - warmup) % k] if spread else [torch.zeros(p.numel(), dtype=torch.bool) for p in params]
             c = [None] * len(params)
             for i in range(len(params)):      # layer-wise codec, residual keyed by parameter name
                 total = torch.zeros(params[i].numel())
+                m = mask[i]
                 for r in range(world):
-                    payload, ctx = efs[r].compress(grads[r][i].reshape(-1), names[i])
+                    x = grads[r][i].reshape(-1).clone()
+                    x[m] = 0
+                    saved = None
+                    if exact_semantics == "contract" and efs[r].has_residual(names[i]):
+                        e = efs[r].residual(names[i]).reshape(-1)
+                        saved = e[m].clone()
+                        e[m] = 0
+                    payload, ctx = efs[r].compress(x, names[i])
+                    if saved is not None:
+                        efs[r].residual(names[i]).reshape(-1)[m] = saved
                     total += efs[r].decompress(payload, ctx).reshape(-1)
-                c[i] = (total / world).view_as(params[i])
+                total = total / world
+                total[m] = exact[i].reshape(-1)[m]
+                c[i] = total.view_as(params[i])
         if pending is not None:
             apply(pending)
         for r, w in enumerate(workers):
@@ -112,7 +165,8 @@ def test_k1_is_delayed_full_precision_sgd_with_local_compensation(world):
 def test_alpha0_no_correction_is_stale_compressed_sgd_with_error_feedback():
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
     options = {"warmup_steps": 2, "correction_period": None, "local_update": "none", "collective": "allgather",
-               "compressor": "2bit", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB}
+               "compressor": "2bit", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB,
+               "compress_vectors": True}
     results = run_distributed(_run_lowband, 2, options)
     reference = simulate(2, warmup=2, k=None, alpha=0.0, codec=codec)
     for ours in results:
@@ -121,13 +175,70 @@ def test_alpha0_no_correction_is_stale_compressed_sgd_with_error_feedback():
 
 def test_compressed_with_corrections_matches_simulation():
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
-    options = {"warmup_steps": 2, "correction_period": 3, "local_update": "sgd", "local_lr": LR,
-               "collective": "allgather", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB}
+    options = {"warmup_steps": 2, "correction_period": 3, "correction": "burst", "local_update": "sgd",
+               "local_lr": LR, "collective": "allgather", "compressor_options": codec["options"],
+               "bucket_mb": BUCKET_MB, "compress_vectors": True}
     results = run_distributed(_run_lowband, 2, options)
     reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec)
     for ours in results:
         assert max_rel_err(ours, reference) <= 1e-5
     assert max_rel_err(results[0], results[1]) == 0.0
+
+
+@pytest.mark.parametrize("numel, k", [(1, 1), (7, 3), (2621, 5), (10, 16), (18432, 7)])
+def test_spread_shares_cover_every_element_once_per_cycle(numel, k):
+    masks = slow_share_masks(numel, k)
+    bounds = [share_bounds(numel, k, j) for j in range(k)]
+    counts = torch.zeros(numel, dtype=torch.long)
+    for j, (lo, hi) in enumerate(bounds):
+        assert torch.equal(masks[j].nonzero().flatten(), torch.arange(lo, hi))
+        counts[lo:hi] += 1
+    assert torch.equal(counts, torch.ones(numel, dtype=torch.long))
+    sizes = [hi - lo for lo, hi in bounds]
+    assert max(sizes) - min(sizes) <= 1               # equal bytes per step, to one element
+
+
+def _run_recording(rank: int, world: int, options: dict, steps: int = STEPS):
+    """Final weights, plus per step: bytes sent and the step's schedule metrics. After each
+    step, ``global_parameters()`` waits for the step's communication (so its bytes are counted
+    by then); it must not change the trajectory."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = sgd(model)
+    engine = lowband.distribute(model, opt, "cpsgd", **options)
+    it, log = batches(rank, world).epoch(0), []
+    before = engine.stats.bytes_sent
+    for _ in range(steps):
+        x, y = next(it)
+        opt.zero_grad()
+        F.cross_entropy(engine.module(x), y).backward()
+        engine.step()
+        engine.algorithm.global_parameters()
+        log.append((engine.stats.bytes_sent - before, engine.algorithm.step_metrics()))
+        before = engine.stats.bytes_sent
+    engine.synchronize()
+    engine.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, log
+
+
+def test_spread_correction_matches_simulation_and_sends_constant_bytes():
+    codec = {"name": "2bit", "options": {"threshold": 0.01}}
+    base = {"warmup_steps": 2, "correction_period": 3, "local_update": "sgd", "local_lr": LR,
+            "collective": "allgather", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB,
+            "compress_vectors": True}
+    results = run_distributed(_run_recording, 2, {**base, "correction": "spread"})
+    native = "exact" in inspect.signature(CompressedReducer.start).parameters
+    reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec, spread=True,
+                         exact_semantics="contract" if native else "adapter")
+    for ours, log in results:
+        assert max_rel_err(ours, reference) <= 1e-5
+        phases = [m["correction_phase"] for _, m in log]
+        assert phases == [None, None] + [(t - 2) % 3 for t in range(2, STEPS)]
+        sent = [b for b, _ in log[3:]]                 # after the warm-up (and its hand-over step)
+        assert max(sent) - min(sent) <= 64, sent        # constant bytes per step (shares differ by <= 1 element)
+    assert max_rel_err(results[0][0], results[1][0]) == 0.0
+    # it is not the burst correction (whose fp32 steps send ~10x the bytes): that ends elsewhere
+    assert max_rel_err(results[0][0], simulate(2, warmup=2, k=3, alpha=LR, codec=codec)) > 1e-4
 
 
 def test_bad_options():
@@ -137,3 +248,56 @@ def test_bad_options():
         lowband.CPSGD(local_update="magic")
     with pytest.raises(ValueError, match="unknown compressor"):
         lowband.CPSGD(compressor="9bit")
+
+
+class PartlyUsed(nn.Module):
+    """SmallNet plus a layer no rank uses and a layer (2-D weight and 1-D bias) only rank 0 uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = SmallNet()
+        self.unused = nn.Linear(3, 3)
+        self.partial = nn.Linear(10, 10)
+
+    def forward(self, x, use_partial: bool):
+        out = self.net(x)
+        return self.partial(out) if use_partial else out
+
+
+def _unused(rank: int, world: int, options: dict):
+    torch.manual_seed(0)
+    model = PartlyUsed()
+    opt = sgd(model)
+    engine = lowband.distribute(model, opt, "cpsgd", **options)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    it, seen = batches(rank, world).epoch(0), []
+    for _ in range(STEPS):
+        x, y = next(it)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x, use_partial=rank == 0), y).backward()
+        engine.step()
+        W = engine.algorithm.global_parameters() or list(model.parameters())
+        names = [n for n, _ in model.named_parameters()]
+        for n, p, g in zip(names, model.parameters(), W):
+            if n.startswith("unused."):
+                assert p.grad is None, (n, engine.algorithm.t)
+                assert torch.equal(p.detach(), start[n]) and torch.equal(g, start[n]), (n, engine.algorithm.t)
+        seen.append({n: g.detach().clone() for n, g in zip(names, W) if n.startswith("partial.")})
+    engine.synchronize()
+    engine.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, start, seen
+
+
+@pytest.mark.parametrize("correction", ["spread", "burst"])
+def test_parameters_no_rank_used_stay_put_and_partly_used_ones_agree(correction):
+    options = {"warmup_steps": 3, "correction": correction, "correction_period": 2, "bucket_mb": BUCKET_MB}
+    (final0, start, seen0), (final1, _, seen1) = run_distributed(_unused, 2, options)
+    for n in final0:
+        assert torch.equal(final0[n], final1[n]), n           # replicas agree, warm-up and pipeline alike
+    for step0, step1 in zip(seen0, seen1):                     # the global model agrees at every step
+        for n in step0:
+            assert torch.equal(step0[n], step1[n]), n
+    assert not torch.equal(final0["partial.weight"], start["partial.weight"])   # used on rank 0: trained
+    assert not torch.equal(final0["partial.bias"], start["partial.bias"])
+    for n in ("unused.weight", "unused.bias"):
+        assert torch.equal(final0[n], start[n])

@@ -1,36 +1,96 @@
-"""CP-SGD: compressed, pipelined SGD with periodic full-precision correction (spec A.2).
+"""CP-SGD: compressed, pipelined SGD with full-precision correction (spec A.2).
 
 Per worker: global weights W (identical on every rank; the user's optimizer acts on them),
 compute weights w (the model's parameters), a worker residual e, one communication in flight.
 For iteration t after the warm-up::
 
     backward at w             -> local mean gradient g_t; its buckets are handed, during
-                                 backward, to a background thread that compresses (with error
-                                 feedback) and averages them; every k-th step full precision
+                                 backward, to the reducer's background queue, which compresses
+                                 (with error feedback) and averages them; the correction's share
+                                 goes in full precision
     engine.step():  wait for step t-1's average G_{t-1} (it ran while t was computed)
                     W <- optimizer(W, G_{t-1})                        (= W_{t-1})
                     w <- local_update(W_{t-1}, g_t)                   (e.g. W_{t-1} - alpha g_t)
     go to t+1 with w: compression and communication of g_t overlap with iteration t+1
 
+Corrections (``correction``):
+
+* ``"spread"``: every step, share ``j = phase`` of ``k`` contiguous near-equal shares of each
+  bucket is averaged exactly in fp32 and the rest compressed; over each cycle of k steps every
+  element gets exactly one exact step, and the bytes per step are constant, so no step stalls
+  the depth-1 pipeline behind a full-precision burst.
+* ``"burst"``: the paper's correction — every k-th step the whole gradient goes in fp32.
+* ``adapt_period``: k changes at each cycle boundary by a rule every rank evaluates on the same
+  all-reduced numbers (see :class:`PeriodController`).
+
 Degenerate cases (tested against a slow single-process simulation): warm-up forever is S-SGD;
-``correction_period=1`` is one-step-delayed full-precision SGD with local compensation;
-``local_update="none"`` with no correction is one-step-stale compressed SGD with error feedback.
+``correction_period=1`` is one-step-delayed full-precision SGD with local compensation (spread
+and burst alike); ``local_update="none"`` with no correction is one-step-stale compressed SGD
+with error feedback.
+
+Checkpoints: ``state_dict()`` works with a step in flight. It waits for the in-flight average
+(waiting changes no value, only when it is read) and saves W, that average, the residuals and
+the schedule state; ``load_state_dict`` puts the same pipeline back, so a resumed run continues
+bit for bit. Evaluation: :meth:`global_parameters` returns W with the in-flight average applied
+(by a tentative optimizer step into separate buffers), without draining.
 """
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 import torch
 
-from ..pipeline import PendingReduce, make_collective
+from ..collectives.wire import MIB
+from ..compressors import build_compressor
+from ..pipeline import make_collective
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from ..compressors import build_compressor
 from .compressed import bucket_segments, check_compression_knobs
-from ..collectives.wire import MIB
+from .local_update import TentativeStep
+from .schedule import Warmup, share_bounds
 
-LOCAL_UPDATES = ("sgd", "optimizer", "none")
+LOCAL_UPDATES = ("optimizer", "sgd", "none")
+CORRECTIONS = ("spread", "burst")
+
+
+@dataclass
+class PeriodController:
+    """The adaptive correction period: a lazy-update-style rule with no threshold.
+
+    After applying a step's average, every rank compares it with its own gradient of that
+    step: ``d_p = ||G_hat - g_p||^2`` over the compressed elements and ``v_p = ||G - g_p||^2``
+    over the exact ones (where the average G is exact). Their means over ranks ride on a later
+    step's fp32 all-reduce, so every rank holds the same sums. Since
+    ``mean_p ||G_hat - g_p||^2 = ||G_hat - G||^2 + mean_p ||g_p - G||^2``, per element
+
+        err   = mean d / n_compressed - mean v / n_exact     (compression error of the average)
+        noise = mean v / n_exact / (P - 1)                    (sampling noise of the average)
+
+    At each cycle boundary, from the sums since the last one: err <= noise (compression adds
+    less error than the gradient's own noise) -> k + 1; err > 2 noise -> k - 1; else k stays,
+    within ``[min_period, max_period]``. Like the lazy update's interval test it compares
+    norms only, so it has no scale-dependent threshold.
+    """
+
+    min_period: int = 2
+    max_period: int = 32
+
+    def decide(self, k: int, d: float, n_compressed: float, v: float, n_exact: float, world: int) -> int:
+        if n_compressed <= 0 or n_exact <= 0:
+            return k
+        spread = v / n_exact
+        err = d / n_compressed - spread
+        noise = spread / max(1, world - 1)
+        if not (math.isfinite(err) and math.isfinite(noise)):
+            return k
+        if err <= noise:
+            return min(self.max_period, k + 1)
+        if err > 2 * noise:
+            return max(self.min_period, k - 1)
+        return k
 
 
 @dataclass
@@ -38,32 +98,41 @@ class CPSGD(Algorithm):
     """Knobs (defaults chosen by the measurements in docs/cpsgd.md):
 
         compressor, compressor_options, collective, bucket_mb: as for ``compressed``; the
-            default is the paper's 2-bit threshold codec on the two-stage collective.
+            default is the 2-bit codec on the two-stage collective.
         warmup_steps: plain synchronous full-precision SGD for this many steps first (the
             paper's code: 1000 iterations). Early gradients are large and change fast, which
             is where both staleness and quantization hurt most.
-        correction_period: k. Every k-th post-warm-up step sends the full-precision gradient
-            (the "k-step correction"), removing that step's quantization error. ``None`` never
-            corrects; 1 never compresses.
+        correction: ``"spread"`` (a rotating 1/k share of every bucket exact each step) or
+            ``"burst"`` (the whole gradient exact every k-th step, the paper's).
+        correction_period: k; ``None`` never corrects; 1 never compresses.
+        adapt_period: let k follow :class:`PeriodController` (starting at
+            ``correction_period``, within ``[min_period, max_period]``).
+        min_period, max_period: bounds of the adaptive k.
         flush_residual_on_correction: False (faithful to the paper's code) leaves the residual
-            untouched on correction steps; True adds it to the full-precision step and zeroes it,
-            delivering everything compression held back.
+            untouched on exact elements; True adds it to the exact contribution and zeroes it.
+        compress_vectors: also compress 1-D parameters (biases, BatchNorm scales). Off by
+            default, as in ``compressed``: they are <1% of the elements of typical convnets, and
+            their gradients matter more per element; they then always travel in fp32.
         local_update: how w is formed from W_{t-1} and the worker's own gradient g_t:
+            ``"optimizer"``: a tentative step of the user's optimizer from W with g_t (momentum
+            and weight decay included; closed form for SGD and Adam/AdamW, no state change);
             ``"sgd"``: w = W - local_lr * g_t (the paper's plain-SGD local optimizer);
-            ``"optimizer"``: w = the user's optimizer applied tentatively to W with g_t
-            (momentum and weight decay included; a look-ahead estimate of W_t; its state is
-            restored afterwards); ``"none"``: w = W_{t-1} (no local compensation).
-        local_lr: alpha for ``"sgd"``; ``None`` uses the optimizer's current learning rate of
-            each parameter group (the paper's code uses 0.01/P with its summed gradients).
+            ``"none"``: w = W_{t-1} (no local compensation).
+        local_lr: alpha for ``"sgd"``; ``None`` uses each parameter group's learning rate.
     """
 
     compressor: str = "2bit"
     compressor_options: dict[str, Any] = field(default_factory=dict)
     collective: str = "two-stage"
     bucket_mb: float = 1.0
-    warmup_steps: int = 50
+    warmup_steps: int = 100
+    correction: str = "spread"
     correction_period: Optional[int] = 5
+    adapt_period: bool = False
+    min_period: int = 2
+    max_period: int = 32
     flush_residual_on_correction: bool = False
+    compress_vectors: bool = False
     local_update: str = "optimizer"
     local_lr: Optional[float] = None
 
@@ -72,138 +141,377 @@ class CPSGD(Algorithm):
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
                                 self.bucket_mb, error_feedback=True)
-        if self.warmup_steps < 0:
-            raise ValueError(f"cpsgd: warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.correction_period is not None and self.correction_period < 1:
-            raise ValueError(f"cpsgd: correction_period must be >= 1 or None, got {self.correction_period}")
+        for knob, low in (("warmup_steps", 0), ("min_period", 1), ("max_period", 1)):
+            v = getattr(self, knob)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"cpsgd: {knob} must be an integer >= {low}, got {v!r}")
+        k = self.correction_period
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"cpsgd: correction_period must be an integer >= 1 or None, got {k!r}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"cpsgd: correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        for knob in ("adapt_period", "flush_residual_on_correction", "compress_vectors"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ValueError(f"cpsgd: {knob} must be True or False, got {getattr(self, knob)!r}")
+        if self.adapt_period and (k is None or self.min_period > self.max_period):
+            raise ValueError("cpsgd: adapt_period needs a correction_period and min_period <= max_period, "
+                             f"got correction_period={k}, min_period={self.min_period}, max_period={self.max_period}")
         if self.local_update not in LOCAL_UPDATES:
             raise ValueError(f"cpsgd: local_update must be one of {LOCAL_UPDATES}, got {self.local_update!r}")
-        if self.local_lr is not None and self.local_lr < 0:
-            raise ValueError(f"cpsgd: local_lr must be >= 0, got {self.local_lr}")
+        if self.local_lr is not None and not (isinstance(self.local_lr, (int, float)) and self.local_lr >= 0):
+            raise ValueError(f"cpsgd: local_lr must be a number >= 0 or None, got {self.local_lr!r}")
 
     # -- setup ---------------------------------------------------------------------------
     def bind(self, ctx: EngineContext) -> None:
         self.ctx = ctx
         codec = build_compressor(self.compressor, self.compressor_options, error_feedback=True)
         self.reducer = make_collective(self.collective, ctx.comm, codec)
+        start = inspect.signature(self.reducer.start).parameters
+        # the CONTRACT's exact= / present= when the reducer has them; else a side channel:
+        # exact shares and per-parameter flags in one fp32 all-reduce per step on the same queue
+        self.native = "exact" in start and "present" in start
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
+        # element ranges of 1-D parameters, per bucket: always averaged exactly (unless compress_vectors)
+        self.vector_ranges = [[] if self.compress_vectors else
+                              [(o, o + ctx.params[i].numel()) for i, o in zip(b.param_indices, b.offsets)
+                               if ctx.params[i].dim() <= 1] for b in self.buckets.buckets]
+        if self.flush_residual_on_correction and self.correction == "spread" and not self.native:
+            raise ValueError("cpsgd: flush_residual_on_correction with the spread correction needs a reducer "
+                             "with start(..., exact=, flush_exact=)")
+        self.warmup = Warmup(self.warmup_steps)
+        self.controller = PeriodController(self.min_period, self.max_period)
+        self.tentative = TentativeStep(ctx.optimizer, ctx.params)
         group_index = {id(p): k for k, g in enumerate(ctx.optimizer.param_groups) for p in g["params"]}
-        self.group_of = [group_index.get(id(p)) for p in ctx.params]   # optimizer group (None: not optimized)
-        self.t = 0                                   # iterations completed
-        self.global_weights: Optional[list[torch.Tensor]] = None   # W while pipelining
-        self.in_flight: Optional[list[PendingReduce]] = None       # step t-1's averages
-        self.corrections = 0
+        self.group_of = [group_index.get(id(p)) for p in ctx.params]
+        self.w = [p.data for p in ctx.params]                    # compute weights (the model's storage)
+        self.W = [torch.empty_like(p) for p in ctx.params]       # global weights, while pipelining
+        self._eval: Optional[list[torch.Tensor]] = None
+        self.t = 0                          # steps completed (the agreed step counter)
+        self.period = self.correction_period
+        self.cycle_start = self.warmup_steps
+        self.pipelining = False             # W holds the global weights, w the compute weights
+        self.in_flight: Optional[_InFlight] = None
+        self.corrections = 0                # steps that sent anything exact after the warm-up
+        self._launching: Optional[_InFlight] = None
+        self._stats = [0.0, 0.0, 0.0, 0.0]  # adaptive: mean d, n_compressed, mean v, n_exact (agreed)
+        self._measure: Optional[torch.Tensor] = None   # this rank's measurement, riding on the next step
+        self._last_phase: Optional[int] = None
+        self._last_period: Optional[int] = self.period
+        self._prev_local: Optional[list[Optional[torch.Tensor]]] = None
 
-    # -- schedule (pure functions of the agreed step counter) ------------------------------
+    # -- schedule (pure functions of the agreed step counter and period state) ------------
     def in_warmup(self, t: int) -> bool:
-        return t < self.warmup_steps
+        return self.warmup.active(t)
 
-    def is_correction(self, t: int) -> bool:
-        if self.in_warmup(t):
-            return True
-        return self.correction_period is not None and (t - self.warmup_steps) % self.correction_period == 0
+    def phase(self, t: int) -> Optional[int]:
+        """Position of step t in its correction cycle (None: warm-up or no correction)."""
+        if self.in_warmup(t) or self.period is None:
+            return None
+        return (t - self.cycle_start) % self.period
+
+    def is_burst(self, t: int) -> bool:
+        return self.correction == "burst" and self.phase(t) == 0
+
+    def exact_range(self, b: Bucket, t: int) -> Optional[tuple[int, int]]:
+        """The elements of bucket ``b`` averaged exactly at step ``t`` under the spread
+        correction (None: none)."""
+        j = self.phase(t)
+        if self.correction != "spread" or j is None:
+            return None
+        lo, hi = share_bounds(b.numel, self.period, j)
+        return (lo, hi) if hi > lo else None
 
     # -- iteration ----------------------------------------------------------------------
-    def _launch(self, b: Bucket) -> PendingReduce:
-        key, segments = f"bucket{b.index}", self.segments[b.index]
-        if self.is_correction(self.t):
-            flush = self.flush_residual_on_correction and not self.in_warmup(self.t)
-            return self.reducer.start_full_precision(b.grads, key, segments, flush_residuals=flush)
-        return self.reducer.start(b.grads, key, segments)
+    def _launch(self, b: Bucket):
+        key, segs, t = f"bucket{b.index}", self.segments[b.index], self.t
+        if self.in_warmup(t):
+            return self.reducer.start_full_precision(b.buffer, key)   # gradients and flags
+        flight = self._launching
+        present = b.flags > 0
+        if self.is_burst(t):
+            flush = self.flush_residual_on_correction
+            flight.ranges.append((b.index, 0, b.numel))
+            if self.native:
+                return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush, present=present)
+            flight.add_flags(b)
+            return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush)
+        exact = self.exact_range(b, t)
+        for r in self.vector_ranges[b.index]:           # taken before the share (see _InFlight.result)
+            flight.add_exact(b, r, take=True)
+        if exact is not None:
+            flight.add_exact(b, exact, take=not self.native)
+        if self.native:
+            return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
+                                      flush_exact=self.flush_residual_on_correction)
+        flight.add_flags(b)
+        return self.reducer.start(b.grads, key, segs)
 
     def on_gradient_ready(self, index: int) -> None:
+        if self._launching is None and not self.in_warmup(self.t):
+            self._launching = _InFlight(self)
         self.buckets.mark_ready(index)
 
     def step(self) -> None:
+        t = self.t
+        if not self.in_warmup(t) and self._launching is None:
+            self._launching = _InFlight(self)
         self.buckets.launch_remaining()
-        handles = [b.handle for b in self.buckets.buckets]
-        if self.in_warmup(self.t):
-            # plain synchronous SGD: the model holds the global weights
-            self._apply(handles)
+        if self.in_warmup(t):
+            for b in self.buckets.buckets:
+                b.buffer.copy_(b.handle.wait())
+                self.buckets.write_gradients(b)
             self.ctx.optimizer.step()
         else:
+            flight = self._launching
+            flight.seal([b.handle for b in self.buckets.buckets], self._measure)
+            self._measure = None
             local_grads = [p.grad for p in self.ctx.params]
-            if self.global_weights is None:      # first pipelined step: W = current weights
-                self.global_weights = [p.detach().clone() for p in self.ctx.params]
-            else:
+            if not self.pipelining:                       # pipeline (re)start: W = current weights
+                torch._foreach_copy_(self.W, self.w)
+                self.pipelining = True
+            elif self.in_flight is not None:
                 self._apply_to_global(self.in_flight)
             self._local_update(local_grads)
-            self.in_flight = handles
-        if self.is_correction(self.t) and not self.in_warmup(self.t):
-            self.corrections += 1
+            if self.adapt_period:
+                self._prev_local = [None if g is None else g.detach().clone() for g in local_grads]
+            self.in_flight = flight
+            if self.phase(t) is not None and (self.correction == "spread" or self.is_burst(t)):
+                self.corrections += 1
+        self._launching = None
+        self._last_phase, self._last_period = self.phase(t), self.period
         self.t += 1
+        self._advance_cycle()
         self.buckets.reset()
 
-    def _apply(self, handles: list[PendingReduce]) -> None:
-        """Wait for averaged buckets and write them into ``.grad``."""
-        for b, h in zip(self.buckets.buckets, handles):
-            b.grads.copy_(h.wait())
-            b.flags.fill_(1.0)
-            self.buckets.write_gradients(b)
+    def _advance_cycle(self) -> None:
+        """At a cycle boundary (the next step starts a new cycle), the adaptive rule may
+        change k; it reads only the agreed sums, so every rank decides the same."""
+        t = self.t
+        if self.period is None or self.in_warmup(t) or t - self.cycle_start < self.period:
+            return
+        self.cycle_start = t
+        if self.adapt_period:
+            self.period = self.controller.decide(self.period, *self._stats, world=self.ctx.world_size)
+            self._stats = [0.0, 0.0, 0.0, 0.0]
 
-    def _apply_to_global(self, handles: list[PendingReduce]) -> None:
-        """W <- optimizer(W, averaged gradient of the previous step). The optimizer's
-        parameters are the model's tensors, so W is swapped into them for the step."""
+    def _step_global(self, grads: list[Optional[torch.Tensor]]) -> None:
+        """W <- optimizer(W, grads): the parameters hold W's storage during the step."""
         params = self.ctx.params
-        with torch.no_grad():
-            for p, w in zip(params, self.global_weights):
-                p.copy_(w)
-        for p in params:
-            p.grad = None
-        self._apply(handles)
+        for p, W, g in zip(params, self.W, grads):
+            p.data = W
+            p.grad = g
         self.ctx.optimizer.step()
-        with torch.no_grad():
-            for p, w in zip(params, self.global_weights):
-                w.copy_(p)
+        for p, w in zip(params, self.w):
+            p.data = w
+
+    def _apply_to_global(self, flight: "_InFlight") -> None:
+        grads = flight.result()
+        if self.adapt_period and self._prev_local is not None:
+            self._measure = _measurement(flight, grads, self._prev_local, self.ctx.params)
+        if flight.measure is not None:                  # agreed (averaged) sums
+            for i, x in enumerate(flight.measure.tolist()):
+                self._stats[i] += x
+        self._step_global(grads)
 
     def _local_update(self, local_grads: list[Optional[torch.Tensor]]) -> None:
         """w <- local_update(W, g_t); the model then holds w."""
-        params = self.ctx.params
-        with torch.no_grad():
-            for p, w in zip(params, self.global_weights):
-                p.copy_(w)
-        if self.local_update == "none":
+        if self.local_update == "optimizer":
+            self.tentative.step(self.W, local_grads, self.w)
             return
+        torch._foreach_copy_(self.w, self.W)
         if self.local_update == "sgd":
             groups = self.ctx.optimizer.param_groups
             with torch.no_grad():
-                for p, g, k in zip(params, local_grads, self.group_of):
+                for w, g, k in zip(self.w, local_grads, self.group_of):
                     if g is not None and k is not None:
-                        p.add_(g, alpha=-(groups[k]["lr"] if self.local_lr is None else self.local_lr))
-            return
-        # "optimizer": a tentative step of the user's optimizer, its state restored afterwards
-        opt = self.ctx.optimizer
-        saved = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()} for p, st in opt.state.items()}
-        for p, g in zip(params, local_grads):
-            p.grad = g
-        opt.step()
-        opt.state.clear()
-        for p, st in saved.items():
-            opt.state[p] = st
+                        w.add_(g, alpha=-(groups[k]["lr"] if self.local_lr is None else self.local_lr))
 
     def drain(self) -> None:
         """Finish the in-flight step; the model then holds W and the pipeline restarts empty."""
         if self.in_flight is not None:
             self._apply_to_global(self.in_flight)
             self.in_flight = None
-        if self.global_weights is not None:
-            with torch.no_grad():
-                for p, w in zip(self.ctx.params, self.global_weights):
-                    p.copy_(w)
-            self.global_weights = None
+        if self.pipelining:
+            torch._foreach_copy_(self.w, self.W)
+            self.pipelining = False
+
+    def global_parameters(self) -> Optional[list[torch.Tensor]]:
+        """While pipelining: W with the in-flight average applied by a tentative optimizer
+        step (what ``drain()`` would produce), in buffers of their own; training state is not
+        touched. None otherwise (the model holds the global weights)."""
+        if not self.pipelining:
+            return None
+        if self.in_flight is None:
+            return self.W
+        if self._eval is None:
+            self._eval = [torch.empty_like(W) for W in self.W]
+        self.tentative.step(self.W, self.in_flight.result(), self._eval)
+        return self._eval
+
+    def step_metrics(self) -> dict[str, Any]:
+        """``warmup``; ``correction_phase``: the step's place in its correction cycle (spread:
+        the share that went exact; burst: 0 = the fp32 step; None: no correction);
+        ``correction_period``: k of that step."""
+        return {"warmup": self.in_warmup(self.t - 1), "correction_phase": self._last_phase,
+                "correction_period": self._last_period}
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Works with a step in flight: its average is waited for and saved with W."""
+        names = self.ctx.names
+        state: dict[str, Any] = {
+            "t": self.t, "corrections": self.corrections, "period": self.period,
+            "cycle_start": self.cycle_start, "stats": list(self._stats), "pipelining": self.pipelining,
+        }
+        if self.pipelining:
+            state["global_weights"] = {n: W.clone() for n, W in zip(names, self.W)}
         if self.in_flight is not None:
-            raise RuntimeError("cpsgd has a step in flight: call engine.synchronize() before state_dict()")
-        return {"t": self.t, "corrections": self.corrections, "collective": self.reducer.state_dict()}
+            grads = self.in_flight.result()
+            state["in_flight"] = {n: g.clone() for n, g in zip(names, grads) if g is not None}
+            state["in_flight_exact"] = [list(r) for r in self.in_flight.ranges]
+            if self.in_flight.measure is not None:
+                state["in_flight_measure"] = self.in_flight.measure.clone()
+        if self._measure is not None:
+            state["measure"] = self._measure.clone()
+        if self._prev_local is not None:
+            state["prev_local"] = {n: g.clone() for n, g in zip(names, self._prev_local) if g is not None}
+        state["collective"] = self.reducer.state_dict()    # after the wait: residuals settled
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = self.ctx.names
         self.t = int(state["t"])
         self.corrections = int(state["corrections"])
+        self.period = state["period"]
+        self.cycle_start = int(state["cycle_start"])
+        self._stats = [float(x) for x in state["stats"]]
+        self.pipelining = bool(state["pipelining"])
+        if self.pipelining:
+            with torch.no_grad():
+                for n, W in zip(names, self.W):
+                    W.copy_(state["global_weights"][n])
+        self.in_flight = None
+        if "in_flight" in state:
+            pending = state["in_flight"]
+            self.in_flight = _InFlight.resolved(self, [pending.get(n) for n in names], state.get("in_flight_measure"),
+                                                [tuple(r) for r in state.get("in_flight_exact", [])])
+        self._measure = state.get("measure")
+        prev = state.get("prev_local")
+        self._prev_local = None if prev is None else [prev.get(n) for n in names]
         self.reducer.load_state_dict(state["collective"])
-        self.in_flight, self.global_weights = None, None
 
     def close(self) -> None:
         self.reducer.close()
+
+
+class _InFlight:
+    """One pipelined step's communication: a handle per bucket plus, without the reducer's
+    ``exact=``/``present=``, a side channel (one fp32 all-reduce on the same queue, behind the
+    buckets) carrying each bucket's exact share and every parameter's had-a-gradient flag; the
+    adaptive rule's measurements ride on it too. ``result()`` waits once and returns the
+    averaged gradient per parameter (None where no rank had one)."""
+
+    def __init__(self, algo: CPSGD):
+        self.algo = algo
+        self.handles: list = []
+        self.ranges: list[tuple[int, int, int]] = []          # (bucket, lo, hi) averaged exactly
+        self.taken: list[tuple[int, int, int, torch.Tensor]] = []   # those on the side channel, with values
+        self.flag_parts: list[tuple[int, torch.Tensor]] = []
+        self.side = None
+        self.measure: Optional[torch.Tensor] = None            # agreed means of the measurements
+        self._n_measure = 0
+        self._result: Optional[list[Optional[torch.Tensor]]] = None
+
+    @classmethod
+    def resolved(cls, algo: CPSGD, grads, measure, ranges) -> "_InFlight":
+        f = cls(algo)
+        f._result, f.measure, f.ranges = grads, measure, list(ranges)
+        return f
+
+    def add_flags(self, b: Bucket) -> None:
+        self.flag_parts.append((b.index, b.flags.clone()))
+
+    def add_exact(self, b: Bucket, exact: tuple[int, int], take: bool) -> None:
+        """Record the exact share; with ``take`` move it to the side channel (copy, then zero
+        it in the compressed path)."""
+        lo, hi = exact
+        self.ranges.append((b.index, lo, hi))
+        if take:
+            self.taken.append((b.index, lo, hi, b.grads[lo:hi].clone()))
+            b.grads[lo:hi].zero_()
+
+    def seal(self, handles: list, measure: Optional[torch.Tensor]) -> None:
+        """All buckets are launched: send the side channel (if any) behind them."""
+        self.handles = handles
+        parts = [x for *_, x in self.taken] + [f for _, f in self.flag_parts]
+        if measure is not None:
+            parts.append(measure)
+            self._n_measure = measure.numel()
+        if parts:
+            self.side = self.algo.reducer.start_full_precision(torch.cat(parts), "cpsgd-side")
+
+    def result(self) -> list[Optional[torch.Tensor]]:
+        if self._result is not None:
+            return self._result
+        algo = self.algo
+        buckets = algo.buckets.buckets
+        outs = [h.wait() for h in self.handles]
+        present = [getattr(h, "present", None) for h in self.handles] if algo.native else [None] * len(buckets)
+        if self.side is not None:
+            side = self.side.wait()
+            offsets, off = [], 0
+            for bi, lo, hi, _ in self.taken:
+                offsets.append(off)
+                off += hi - lo
+            # written in reverse order of taking: a share taken after a 1-D parameter's range
+            # carries zeros there, and the parameter's own values must win
+            for (bi, lo, hi, _), o in reversed(list(zip(self.taken, offsets))):
+                outs[bi][lo:hi] = side[o:o + hi - lo]
+            for bi, f in self.flag_parts:
+                present[bi] = side[off:off + f.numel()] > 0
+                off += f.numel()
+            if self._n_measure:
+                self.measure = side[off:off + self._n_measure].to(torch.float64)
+        grads: list[Optional[torch.Tensor]] = [None] * len(algo.ctx.params)
+        for b, out, pres in zip(buckets, outs, present):
+            flags = None if pres is None else pres.tolist()
+            for k, i in enumerate(b.param_indices):
+                if flags is not None and not flags[k]:
+                    continue
+                p = algo.ctx.params[i]
+                grads[i] = out[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p)
+        self._result = grads
+        return grads
+
+
+def _measurement(flight: _InFlight, grads, local, params) -> torch.Tensor:
+    """This rank's (d, n_compressed, v, n_exact) of :class:`PeriodController` for the step
+    ``flight`` carried; ``local`` are this rank's gradients of that step."""
+    masks: dict[int, torch.Tensor] = {}
+    buckets = flight.algo.buckets.buckets
+    for bi, lo, hi in flight.ranges:
+        if bi not in masks:
+            masks[bi] = torch.zeros(buckets[bi].numel, dtype=torch.bool)
+        masks[bi][lo:hi] = True
+    d = v = n_e = n_c = 0.0
+    with torch.no_grad():
+        for b in buckets:
+            mask = masks.get(b.index)
+            for k, i in enumerate(b.param_indices):
+                G, g = grads[i], local[i]
+                if G is None:
+                    continue
+                sq = ((G - g) if g is not None else G).reshape(-1).square()
+                total = float(sq.sum())
+                ex_sum, ex_n = 0.0, 0
+                if mask is not None:
+                    m = mask[b.offsets[k]:b.offsets[k] + params[i].numel()]
+                    ex_n = int(m.sum())
+                    if ex_n:
+                        ex_sum = float(sq[m].sum())
+                d += total - ex_sum
+                n_c += sq.numel() - ex_n
+                v += ex_sum
+                n_e += ex_n
+    return torch.tensor([d, n_c, v, n_e], dtype=torch.float32)

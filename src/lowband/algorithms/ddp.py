@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives.communicator import flatten, unflatten_into
 from .base import Algorithm, EngineContext
+from .schedule import Warmup
 from ..collectives.wire import MIB
 
 #: DDP's own default bucket cap (``torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB``)
@@ -215,6 +216,7 @@ class DDPPowerSGD(DDP):
             start_powerSGD_iter=self.start_powerSGD_iter, min_compression_rate=self.min_compression_rate,
             use_error_feedback=self.use_error_feedback, warm_start=self.warm_start,
             orthogonalization_epsilon=self.orthogonalization_epsilon, random_seed=self.random_seed)
+        self.warmup = Warmup(self.start_powerSGD_iter)   # the same schedule the hook follows
         self._name_of = {id(p): n for n, p in zip(ctx.names, ctx.params)}
         self._param_of = dict(zip(ctx.names, ctx.params))
         self._layout: Optional[tuple[str, ...]] = None   # bucket order the memories follow
@@ -224,7 +226,7 @@ class DDPPowerSGD(DDP):
         the same per-tensor rule the hook applies (``psgd._should_compress``)."""
         comm, buffer = self.ctx.comm, bucket.buffer()
         esize = buffer.element_size()
-        if self.state.iter < self.state.start_powerSGD_iter:
+        if self.warmup.active(self.state.iter):
             comm.stats.record("all_reduce", *_all_reduce_bytes(buffer.numel() * esize, comm.world_size))
             return
         uncompressed = ps = qs = 0
@@ -240,7 +242,7 @@ class DDPPowerSGD(DDP):
             comm.stats.record("all_reduce", *_all_reduce_bytes(numel * esize, comm.world_size))
 
     def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        if bucket.index() != 0 and self.state.iter >= self.state.start_powerSGD_iter:
+        if bucket.index() != 0 and not self.warmup.active(self.state.iter):
             raise RuntimeError("ddp-powersgd: DDP made a second bucket; the layer-wise PowerSGD hook is only "
                                "safe on gloo with one bucket (raise bucket_cap_mb)")
         self._mark_ready()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..collectives.communicator import flatten, unflatten_into
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
+from .schedule import Periodic, Warmup
 
 #: one bucket for the whole model: the warm-up all-reduce runs after backward, so there is no
 #: overlap to gain from smaller buckets, and one call has the least per-call overhead
@@ -56,6 +57,8 @@ class LocalSGD(Algorithm):
             raise ValueError(f"localsgd: period must be an integer >= 1, got {self.period!r}")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
             raise ValueError(f"localsgd: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        self._warmup = Warmup(self.warmup_steps)
+        self._averaging = Periodic(self.period, start=self.warmup_steps)   # the averager's schedule
 
     def bind(self, ctx: EngineContext) -> None:
         self.ctx = ctx
@@ -70,13 +73,13 @@ class LocalSGD(Algorithm):
 
     # -- per iteration -------------------------------------------------------------------
     def step(self) -> None:
-        if self._step < self.warmup_steps:
+        if self._warmup.active(self._step):
             self._average_gradients()
             self.ctx.optimizer.step()
         else:
             self.ctx.optimizer.step()
             self._in_sync = False
-            if (self._step - self.warmup_steps) % self.period == 0:
+            if self._averaging.fires(self._step):
                 self._average_parameters()
         self._step += 1
 

@@ -1,0 +1,103 @@
+"""The closed-form tentative step equals the generic fallback and a real optimizer.step(), bit
+for bit, for every SGD and Adam/AdamW variant; neither touches the optimizer's state."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lowband.algorithms.local_update import TentativeStep, closed_form_kind
+
+VARIANTS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+    "sgd-momentum-wd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd-dampening": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.3),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd-maximize": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5, maximize=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adam-wd": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=1e-2),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True, weight_decay=1e-3),
+    "adam-maximize": lambda ps: torch.optim.Adam(ps, lr=1e-3, maximize=True, betas=(0.8, 0.99)),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, amsgrad=True),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3), nn.Linear(3, 2))
+
+
+def _groups(model):
+    """Two param groups (different learning rates); the last layer's weight gets no gradient."""
+    ps = list(model.parameters())
+    return [{"params": ps[:4]}, {"params": ps[4:], "lr": 0.01}]
+
+
+def _grads(model, seed):
+    torch.manual_seed(seed)
+    gs = [torch.randn_like(p) for p in model.parameters()]
+    gs[-2] = None                       # a parameter without a gradient this step
+    return gs
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("history", [0, 3])
+def test_closed_form_equals_generic_and_real_step(variant, history):
+    model = _model()
+    opt = VARIANTS[variant](_groups(model))
+    params = list(model.parameters())
+    for s in range(history):             # build optimizer state (momentum, moments, step)
+        for p, g in zip(params, _grads(model, 100 + s)):
+            p.grad = g
+        opt.step()
+    start = [p.detach().clone() + 0.01 for p in params]   # W, distinct from the model's values
+    grads = _grads(model, 7)
+    state_before = copy.deepcopy(opt.state_dict())
+    values_before = [p.detach().clone() for p in params]
+
+    closed = TentativeStep(opt, params)
+    assert closed.closed_form and closed_form_kind(opt) in ("sgd", "adam")
+    out_closed = [torch.empty_like(p) for p in params]
+    closed.step(start, grads, out_closed)
+    out_generic = [torch.empty_like(p) for p in params]
+    TentativeStep(opt, params, generic=True).step(start, grads, out_generic)
+
+    real = copy.deepcopy(opt.state_dict())
+    model2 = _model()
+    opt2 = VARIANTS[variant](_groups(model2))
+    opt2.load_state_dict(real)
+    with torch.no_grad():
+        for p, s in zip(model2.parameters(), start):
+            p.copy_(s)
+    for p, g in zip(model2.parameters(), grads):
+        p.grad = None if g is None else g.clone()
+    opt2.step()
+
+    for a, b, c in zip(out_closed, out_generic, model2.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c.detach())
+    assert torch.equal(out_closed[-2], start[-2])           # no gradient: unchanged
+    # the optimizer state and the model's values are untouched by both
+    after = opt.state_dict()
+    for k, st in state_before["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][name])), (k, name)
+    assert set(after["state"]) == set(state_before["state"])
+    for p, v in zip(params, values_before):
+        assert torch.equal(p.detach(), v)
+
+
+def test_in_place_output_and_other_optimizers_fall_back():
+    model = _model()
+    params = list(model.parameters())
+    opt = torch.optim.RMSprop(params, lr=1e-3, momentum=0.5)
+    step = TentativeStep(opt, params)
+    assert not step.closed_form
+    start = [p.detach().clone() for p in params]
+    step.step(start, _grads(model, 1), params)              # out = the parameters themselves
+    assert not opt.state or all(not st for st in opt.state.values())
+    assert any(not torch.equal(p.detach(), s) for p, s in zip(params, start))
+    assert closed_form_kind(torch.optim.SGD(params, lr=torch.tensor(0.1))) is None
