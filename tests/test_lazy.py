@@ -185,6 +185,8 @@ def _two_rank_suite(rank: int, world: int) -> dict:
         out[name] = lazy[0], ssgd[0], params_of(make()), lazy[2]
     out["lm_adaptive"] = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2})[1]
     out["head_first"] = _train(rank, world, HeadFirst, "lazy", {"lazy_layers": 2}, steps=3)[2]
+    out["no_lazy"] = (_train(rank, world, SmallNet, "lazy", {"lazy_layers": 0})[0],
+                      _train(rank, world, SmallNet, "ssgd", {})[0])
     try:
         _train(rank, world, _RankOrdered, "lazy", {"lazy_layers": 1}, steps=2)
         out["mismatch"] = None
@@ -294,14 +296,15 @@ def test_ranks_that_run_forward_differently_fail_together(two_ranks):
 
 # -- tau at n = 1 on 3 and 4 ranks (constructed gradients) ---------------------------------------
 
-def _tau_at_n1(rank: int, world: int) -> list[tuple[int, int]]:
+def _tau_at_n1(group) -> list[tuple[int, int]]:
     """Step 1, then cycles of: two steps whose global probe gradients u, -2u fail both tests
     (tau 2 -> 1), then one n = 1 window whose gradients differ wildly across ranks (tau must
     rise to 2 again). Returns (tau after the drop, tau after the n = 1 window) per cycle."""
+    rank = torch.distributed.get_rank(group)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 256), nn.Linear(256, 2))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    engine = lowband.distribute(model, opt, "lazy", lazy_layers=1)
+    engine = lowband.distribute(model, opt, "lazy", process_group=group, lazy_layers=1)
     g = torch.Generator().manual_seed(7 + rank)
     probe = list(model[0].parameters())
 
@@ -327,10 +330,19 @@ def _tau_at_n1(rank: int, world: int) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_tau_rises_from_1_at_n_1(world):
-    for per_rank in run_distributed(_tau_at_n1, world):
-        assert per_rank == [(1, 2)] * TAU_CYCLES
+def _tau_at_n1_on_3_and_4(rank: int, world: int) -> dict[int, list]:
+    three = torch.distributed.new_group([0, 1, 2])     # collective: every rank creates it
+    out = {4: _tau_at_n1(None)}
+    if rank < 3:
+        out[3] = _tau_at_n1(three)
+    return out
+
+
+def test_tau_rises_from_1_at_n_1_on_3_and_4_ranks():
+    results = run_distributed(_tau_at_n1_on_3_and_4, 4)
+    for rank, per_rank in enumerate(results):
+        assert per_rank[4] == [(1, 2)] * TAU_CYCLES
+        assert per_rank.get(3) == ([(1, 2)] * TAU_CYCLES if rank < 3 else None)
 
 
 # -- what a user sees: steps.jsonl and summary.json ---------------------------------------------
@@ -349,13 +361,10 @@ def test_tau_and_sync_flags_in_steps_jsonl(tmp_path):
     assert summary["algorithm_summary"]["lazy_syncs"] == sum(synced)
 
 
-def test_no_lazy_layers_is_ssgd():
-    for lazy, ssgd in run_distributed(_no_lazy_and_ssgd, 2):
+def test_no_lazy_layers_is_ssgd(two_ranks):
+    for per_rank in two_ranks:
+        lazy, ssgd = per_rank["no_lazy"]
         assert max_rel_err(lazy, ssgd) == 0.0
-
-
-def _no_lazy_and_ssgd(rank, world):
-    return _train(rank, world, SmallNet, "lazy", {"lazy_layers": 0})[0], _train(rank, world, SmallNet, "ssgd", {})[0]
 
 
 def test_bad_options():
