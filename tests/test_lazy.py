@@ -372,3 +372,21 @@ def test_bad_options():
         lowband.LazyUpdate(variant="majority")
     with pytest.raises(ValueError, match="lazy_layers"):
         lowband.LazyUpdate(lazy_layers=-1)
+
+
+def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path):
+    from lowband.bench import lazy_stats
+    from lowband.report import lazy_table, plot_tau
+    steps = [{"step": t, "tau": tau, "lazy_synced": s}
+             for t, (tau, s) in enumerate([(2, True), (2, False), (3, True), (3, False), (3, False), (2, True)], 1)]
+    stats = lazy_stats(steps)
+    assert stats["synced_fraction"] == 0.5 and stats["final_tau"] == 2 and stats["mean_tau"] == 2.5
+    assert stats["tau_curve"] == [(1, 2), (3, 3), (6, 2)]
+    assert lazy_stats([{"step": 1}]) == {}
+    base = {"bandwidth": "200mbit", "workers": 2, "median_step_ms": 100.0}
+    rows = [{**base, "algorithm": "ssgd", "median_comm_wait_ms": 40.0},
+            {**base, "algorithm": "lazy:bucket_mb=0.25", "median_comm_wait_ms": 10.0, **stats}]
+    table = lazy_table(rows)
+    assert "| 200mbit | 2 | lazy:bucket_mb=0.25 | 50.0% | 2.50 | 2 | 100.0 | 100.0 | 10.0 | 40.0 | 0.25 |" in table
+    assert plot_tau(rows, str(tmp_path)) == ["tau_over_steps.png"] and (tmp_path / "tau_over_steps.png").exists()
+    assert lazy_table(rows[:1]) == "" and plot_tau(rows[:1], str(tmp_path)) == []
