@@ -107,3 +107,78 @@ def test_synthetic_is_deterministic_and_learnable_shape():
     a, b = make_synthetic(50, seed=3), make_synthetic(50, seed=3)
     assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
     assert a.images.shape == (50, 1, 28, 28)
+
+
+# -- python-stdlib: byte windows of the standard library's sources ----------------------------
+
+from lowband.data import TEXT_WINDOW, load_python_stdlib, split_of, stdlib_dir, stdlib_files  # noqa: E402
+
+
+def make_fake_stdlib(root, n_files=40):
+    """A tree of small .py files, each holding its own name, plus files that must be skipped."""
+    contents = {}
+    for i in range(n_files):
+        rel = f"pkg{i % 3}/mod{i}.py" if i % 2 else f"mod{i}.py"
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = (f"# file {rel}\n" + f"x_{i} = {i}\n" * (5 + i)).encode()
+        open(path, "wb").write(data)
+        contents[rel] = data
+    for skipped in ("site-packages/third.py", "__pycache__/mod0.py", "notes.txt"):
+        os.makedirs(os.path.join(root, os.path.dirname(skipped)), exist_ok=True)
+        open(os.path.join(root, skipped), "wb").write(b"must not be read\n" * 50)
+    return contents
+
+
+def test_text_split_is_by_file_and_deterministic(tmp_path):
+    contents = make_fake_stdlib(str(tmp_path))
+    train = load_python_stdlib("train", str(tmp_path), window=16)
+    val = load_python_stdlib("test", str(tmp_path), window=16)
+    # every file is in exactly one split, by a hash of its own path, and nothing else is read
+    assert sorted(train.files + val.files) == sorted(contents)
+    assert not set(train.files) & set(val.files) and val.files and train.files
+    assert all(split_of(f) == "train" for f in train.files) and all(split_of(f) == "test" for f in val.files)
+    # each split's stream is exactly its files' bytes, concatenated in sorted order
+    for split in (train, val):
+        assert split.files == sorted(split.files)
+        assert bytes(split.stream.tolist()) == b"".join(contents[f] for f in split.files)
+    # deterministic: loading again gives the same windows and fingerprint
+    again = load_python_stdlib("train", str(tmp_path), window=16)
+    assert torch.equal(again.stream, train.stream) and torch.equal(again.starts, train.starts)
+    assert again.fingerprint == train.fingerprint != val.fingerprint
+    # a changed byte changes the fingerprint
+    first = os.path.join(str(tmp_path), train.files[0])
+    open(first, "ab").write(b"#")
+    assert load_python_stdlib("train", str(tmp_path), window=16).fingerprint != train.fingerprint
+
+
+def test_text_windows_and_targets(tmp_path):
+    make_fake_stdlib(str(tmp_path))
+    train = load_python_stdlib("train", str(tmp_path), window=16)
+    n = train.stream.numel()
+    # train windows tile the stream without overlap; the last one still has its target byte
+    assert train.starts.tolist() == list(range(0, n - 16, 16))
+    x, y = train.batch(torch.tensor([0, len(train) - 1]))
+    assert x.shape == y.shape == (2, 16) and x.dtype == torch.int64
+    for row, start in enumerate([0, int(train.starts[-1])]):
+        assert x[row].tolist() == train.stream[start:start + 16].tolist()
+        assert y[row].tolist() == train.stream[start + 1:start + 17].tolist()   # the next byte
+    val = load_python_stdlib("test", str(tmp_path), window=16, validation_windows=5)
+    assert len(val) == 5 and val.starts[0] == 0 and val.starts[-1] == val.stream.numel() - 17
+
+
+def test_text_dataset_errors(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_python_stdlib("train", str(tmp_path / "nowhere"))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(DatasetError, match="fewer than one window"):
+        load_python_stdlib("train", str(tmp_path / "empty"))
+
+
+def test_real_stdlib_corpus():
+    files = stdlib_files(stdlib_dir())
+    assert len(files) > 100 and "os.py" in files and not any("site-packages" in f for f in files)
+    val = load_python_stdlib("test")
+    assert len(val) == 128 and val.window == TEXT_WINDOW
+    x, _ = val.batch(torch.arange(len(val)))
+    assert x.max() < 256 and x.min() >= 0

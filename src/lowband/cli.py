@@ -21,6 +21,7 @@ from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from .data import DATASETS, DatasetError, load_dataset
 from .guard import NONFINITE_POLICIES
 from .models import MODELS
+from .tasks import LANGUAGE_MODELS, TASK_DEFAULTS, defaults_for
 
 EXIT_USAGE = 2
 DEFAULT_RUN_DIR = "runs/latest"
@@ -46,20 +47,29 @@ def _parse_option(text: str) -> tuple[str, Any]:
     return key.strip().replace("-", "_"), value
 
 
+def _by_task(key: str) -> str:
+    """The --help text of a default that depends on the model: "default: 64; gpt: 8"."""
+    image, text = TASK_DEFAULTS["classification"][key], TASK_DEFAULTS["lm"][key]
+    return f"default: {image}; {', '.join(LANGUAGE_MODELS)}: {text}".replace("%", "%%")
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by `train` and `bench` (everything except algorithm and worker count)."""
     d = TrainConfig()
     p.add_argument("--model", default=d.model, help=f"model name: {', '.join(MODELS)} (default: %(default)s)")
-    p.add_argument("--dataset", default=d.dataset, help=f"{', '.join(DATASETS)} (default: %(default)s)")
+    p.add_argument("--dataset", default=None, help=f"{', '.join(DATASETS)} ({_by_task('dataset')})")
     p.add_argument("--data-dir", default=d.data_dir, help="directory of the Fashion-MNIST IDX .gz files (default: %(default)s)")
     p.add_argument("--epochs", type=int, default=d.epochs, help="epochs (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per-worker batch size (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None, help=f"per-worker batch size ({_by_task('batch_size')})")
+    p.add_argument("--lr", type=float, default=None, help=f"(peak) learning rate ({_by_task('lr')})")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="weight decay (default: %(default)s)")
-    p.add_argument("--optimizer", default=d.optimizer, help=f"{', '.join(OPTIMIZERS)} (default: %(default)s)")
-    p.add_argument("--lr-schedule", default=d.lr_schedule, help=f"{', '.join(LR_SCHEDULES)} (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=None, help=f"weight decay ({_by_task('weight_decay')})")
+    p.add_argument("--optimizer", default=None, help=f"{', '.join(OPTIMIZERS)} ({_by_task('optimizer')})")
+    p.add_argument("--lr-schedule", default=None,
+                   help=f"{', '.join(LR_SCHEDULES)}; warmup-cosine warms up linearly over --warmup-steps, "
+                        f"then decays to 10%% of --lr ({_by_task('lr_schedule')})")
+    p.add_argument("--warmup-steps", type=int, default=None, help=f"learning-rate warm-up steps ({_by_task('warmup_steps')})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data order and initial weights (default: %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per worker (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
@@ -106,13 +116,17 @@ def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run_dir: str) -> TrainConfig:
+def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run_dir: str,
+                     model: Optional[str] = None) -> TrainConfig:
+    model = model or args.model
+    # settings the user left unset take the defaults of the model's task (lowband.tasks)
+    task = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults_for(model).items()}
     cfg = TrainConfig(
-        model=args.model, algorithm=algorithm, algorithm_options=algorithm_options(args),
-        dataset=args.dataset, data_dir=args.data_dir, workers=workers, epochs=args.epochs,
-        max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-        weight_decay=args.weight_decay, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
-        seed=args.seed, threads=args.threads, run_dir=run_dir, timeout_s=args.timeout_s,
+        model=model, algorithm=algorithm, algorithm_options=algorithm_options(args),
+        dataset=task["dataset"], data_dir=args.data_dir, workers=workers, epochs=args.epochs,
+        max_steps=args.max_steps, batch_size=task["batch_size"], lr=task["lr"], momentum=args.momentum,
+        weight_decay=task["weight_decay"], optimizer=task["optimizer"], lr_schedule=task["lr_schedule"],
+        warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, run_dir=run_dir, timeout_s=args.timeout_s,
         progress=args.progress, nonfinite=args.nonfinite, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, master_addr=args.master_addr,
         eval_every_steps=args.eval_every_steps,
@@ -125,11 +139,11 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
 def check_config(cfg: TrainConfig) -> None:
     """Everything that can be checked before any worker starts; raises UsageError."""
     try:
-        cfg.validate()
         if cfg.model not in MODELS:
             raise ValueError(f"unknown model {cfg.model!r}; choose one of: {', '.join(sorted(MODELS))}")
         if cfg.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of: {', '.join(DATASETS)}")
+        cfg.validate()
         make_algorithm(cfg.algorithm, **cfg.algorithm_options)   # validates names and options
         check_dataset(cfg.dataset, cfg.data_dir, cfg.seed)
     except (ValueError, DatasetError) as e:

@@ -8,14 +8,17 @@ from typing import Any, Optional
 
 from .data import DEFAULT_DATA_DIR
 from .guard import NONFINITE_POLICIES
+from .tasks import check_pairing
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "warmup-cosine")
 
 
 @dataclass
 class TrainConfig:
-    """One run. Every field is a CLI flag of ``lowband train`` (``--field-name``)."""
+    """One run. Every field is a CLI flag of ``lowband train`` (``--field-name``). The defaults
+    of dataset, batch size, optimizer, lr, weight decay and schedule here are the image
+    classifiers'; the CLI takes a language model's from :data:`lowband.tasks.TASK_DEFAULTS`."""
 
     model: str = "cnn"
     algorithm: str = "ssgd"
@@ -30,7 +33,8 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     optimizer: str = "sgd"
-    lr_schedule: str = "constant"
+    lr_schedule: str = "constant"  # "warmup-cosine": linear warm-up, then cosine to 10% (lowband.schedules)
+    warmup_steps: int = 0         # learning-rate warm-up steps of "warmup-cosine"
     seed: int = 0
     threads: int = 1              # intra-op threads per worker
     eval_every_epoch: bool = True
@@ -60,6 +64,9 @@ class TrainConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr schedule {self.lr_schedule!r}; choose one of: {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        check_pairing(self.model, self.dataset)
         if self.eval_every_steps is not None and self.eval_every_steps < 1:
             raise ValueError(f"--eval-every must be >= 1, got {self.eval_every_steps}")
         if self.threads < 1:

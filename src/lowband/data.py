@@ -3,15 +3,21 @@
 Fashion-MNIST is read from its gzipped IDX files (the layout of Debian's
 ``dataset-fashion-mnist`` package). Every header and size is validated, so a missing,
 truncated or corrupt file gives one clear :class:`DatasetError` instead of a wrong model.
+
+``python-stdlib`` is real text every machine has without a download: the ``*.py`` source files
+of the running Python's standard library, as byte-level windows for a language model (see
+:func:`load_python_stdlib`).
 """
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import struct
+import sysconfig
 import zlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -41,6 +47,9 @@ class TensorDataset:
 
     def __len__(self) -> int:
         return self.labels.numel()
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[idx], self.labels[idx]
 
 
 def _read_gz(path: str) -> bytes:
@@ -97,11 +106,107 @@ def make_synthetic(n: int, seed: int = 0, noise: float = 1.0) -> TensorDataset:
     return TensorDataset(images, labels)
 
 
-DATASETS = ("fashion-mnist", "synthetic")
+# -- text: the Python standard library's sources as byte windows ----------------------------
+
+#: bytes per window: the model sees ``TEXT_WINDOW`` bytes and predicts each one's successor
+TEXT_WINDOW = 128
+#: one file in VALIDATION_MODULUS goes to validation, chosen by a hash of its relative path
+#: (so a file's split does not depend on which other files a Python version ships)
+VALIDATION_MODULUS = 10
+#: windows scored per evaluation: evenly spaced over the validation text. 128 x 128 bytes =
+#: 16 KiB, a forward pass of about three training steps' worth of work on the default batch.
+VALIDATION_WINDOWS = 128
+#: directories of the stdlib tree that are not the standard library
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+@dataclass
+class TextWindows:
+    """Fixed-length byte windows of one text stream. Window ``i`` starts at ``starts[i]``;
+    its input is ``window`` bytes and its target the same bytes shifted by one."""
+
+    stream: torch.Tensor      # uint8 [n_bytes], the split's files concatenated in sorted order
+    starts: torch.Tensor      # int64 [n_windows]
+    window: int
+    files: list[str]          # the split's files, relative to the stdlib directory, sorted
+    fingerprint: str          # sha256 over every file's relative path and bytes (first 16 hex digits)
+
+    def __len__(self) -> int:
+        return self.starts.numel()
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = self.starts[idx].unsqueeze(1) + torch.arange(self.window + 1)
+        w = self.stream[offsets].long()
+        return w[:, :-1], w[:, 1:]
+
+
+def stdlib_dir() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files(root: str) -> list[str]:
+    """Every ``*.py`` file under ``root`` (relative, '/'-separated, sorted), skipping
+    site-packages and caches."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+        rel = os.path.relpath(dirpath, root)
+        for name in filenames:
+            if name.endswith(".py"):
+                found.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+    return sorted(found)
+
+
+def split_of(relpath: str) -> str:
+    """"test" (validation) or "train" for one file, from a hash of its relative path."""
+    return "test" if zlib.crc32(relpath.encode()) % VALIDATION_MODULUS == 0 else "train"
+
+
+def load_python_stdlib(split: str = "train", root: Optional[str] = None, window: int = TEXT_WINDOW,
+                       validation_windows: int = VALIDATION_WINDOWS) -> TextWindows:
+    """The standard library's sources of the running Python as byte windows, split into
+    train and validation ("test") by file. Train windows tile the train text (stride
+    ``window``); the validation split is ``validation_windows`` windows evenly spaced over the
+    validation text, the same ones at every evaluation. Deterministic for a given Python
+    installation; ``fingerprint`` names it."""
+    root = root or stdlib_dir()
+    if not os.path.isdir(root):
+        raise DatasetError(f"the Python standard library directory {root} does not exist")
+    files = [f for f in stdlib_files(root) if split_of(f) == split]
+    digest = hashlib.sha256()
+    chunks = []
+    for rel in files:
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise DatasetError(f"cannot read {os.path.join(root, rel)}: {e}") from None
+        digest.update(rel.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+        chunks.append(data)
+    raw = b"".join(chunks)
+    if len(raw) < window + 1:
+        raise DatasetError(f"the {split} split of {root} holds {len(raw)} bytes of Python source, "
+                           f"fewer than one window of {window + 1}")
+    stream = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    last = len(raw) - window - 1       # the last start with a full window and its target
+    if split == "train":
+        starts = torch.arange(0, last + 1, window, dtype=torch.int64)
+    else:
+        starts = torch.linspace(0, last, min(validation_windows, last + 1), dtype=torch.float64).round().long()
+    return TextWindows(stream, starts, window, files, digest.hexdigest()[:16])
+
+
+IMAGE_DATASETS = ("fashion-mnist", "synthetic")
+#: datasets of byte windows, for language models
+TEXT_DATASETS = ("python-stdlib",)
+DATASETS = IMAGE_DATASETS + TEXT_DATASETS
 SYNTHETIC_SIZES = {"train": 8192, "test": 2048}
 
 
-def load_dataset(name: str, split: str, data_dir: str = DEFAULT_DATA_DIR, seed: int = 0) -> TensorDataset:
+def load_dataset(name: str, split: str, data_dir: str = DEFAULT_DATA_DIR,
+                 seed: int = 0) -> "TensorDataset | TextWindows":
+    if name == "python-stdlib":
+        return load_python_stdlib(split)
     if name == "fashion-mnist":
         return load_fashion_mnist(data_dir, split)
     if name == "synthetic":
@@ -125,7 +230,7 @@ class ShardedBatches:
     ``world_size * batch_size``, which is what the equivalence tests rely on.
     """
 
-    def __init__(self, dataset: TensorDataset, batch_size: int, rank: int, world_size: int, seed: int = 0):
+    def __init__(self, dataset: "TensorDataset | TextWindows", batch_size: int, rank: int, world_size: int, seed: int = 0):
         if batch_size <= 0:
             raise ValueError(f"batch size must be positive, got {batch_size}")
         self.dataset, self.batch_size, self.rank, self.world_size, self.seed = dataset, batch_size, rank, world_size, seed
@@ -146,5 +251,4 @@ class ShardedBatches:
         perm = torch.randperm(len(self.dataset), generator=g)
         for step in range(start_step, self.steps_per_epoch):
             start = step * self.global_batch + self.rank * self.batch_size
-            idx = perm[start:start + self.batch_size]
-            yield self.dataset.images[idx], self.dataset.labels[idx]
+            yield self.dataset.batch(perm[start:start + self.batch_size])

@@ -1,4 +1,5 @@
-"""Models registered by name, all for 1x28x28 inputs and 10 classes."""
+"""Models registered by name: image classifiers for 1x28x28 inputs and 10 classes (``mlp``,
+``cnn``, ``resnet20``) and a byte-level language model (``gpt``, for the text datasets)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -83,10 +84,92 @@ class ResNet20(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
+# -- a byte-level language model ------------------------------------------------------------
+
+#: byte-level vocabulary: every token is one byte of the text
+BYTE_VOCAB = 256
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of n_heads {n_heads}")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, mlp_ratio * d_model)
+        self.proj = nn.Linear(mlp_ratio * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer over bytes (GPT-2's layout: learned positions,
+    pre-LayerNorm blocks, a final LayerNorm, and the output projection tied to the input
+    embedding, so ``head.weight`` *is* ``tok.weight`` and appears once in ``parameters()``).
+
+    Input: int64 byte ids [batch, time] with time <= ``context``; output: logits
+    [batch, time, 256]. No dropout, so a run is a function of its seed and data order.
+    The defaults (d_model 128, 6 layers) give 1.24M parameters (4.95 MB of fp32 gradients,
+    about 3x the ``cnn``'s), sized so that one CPU step at batch 16 x 128 bytes stays under
+    ~0.2 s on one thread (docs/workloads.md).
+    """
+
+    def __init__(self, context: int = 128, d_model: int = 128, n_layers: int = 6, n_heads: int = 4,
+                 mlp_ratio: int = 4, vocab: int = BYTE_VOCAB):
+        super().__init__()
+        self.context = context
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tok.weight            # tied input/output embedding
+        self._init_weights(n_layers)
+
+    def _init_weights(self, n_layers: int) -> None:
+        # GPT-2: N(0, 0.02) everywhere, residual output projections scaled by 1/sqrt(2 * layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            else:
+                std = 0.02 / (2 * n_layers) ** 0.5 if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.context:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's context {self.context}")
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "cnn": LeNet,
     "resnet20": ResNet20,
+    "gpt": GPT,
 }
 
 

@@ -13,12 +13,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .config import TrainConfig
-from .data import ShardedBatches, TensorDataset, load_dataset
-from . import checkpoint, rendezvous
+from .data import ShardedBatches, load_dataset
+from . import checkpoint, rendezvous, schedules, tasks
 from .engine import distribute
 from .metrics import MetricsWriter, format_table, read_jsonl, write_json_atomic
 from .models import make_model
@@ -37,27 +36,10 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
     if cfg.lr_schedule == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
+    if cfg.lr_schedule == "warmup-cosine":
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: schedules.warmup_cosine(s, cfg.warmup_steps, total_steps))
     return None
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: TensorDataset, rank: int, world_size: int, batch_size: int = 1000) -> tuple[float, float]:
-    """Test accuracy and mean loss over the whole split, each rank scoring a 1/world shard."""
-    was_training = model.training
-    model.eval()
-    idx = torch.arange(rank, len(data), world_size)
-    totals = torch.zeros(3, dtype=torch.float64)   # correct, loss sum, count
-    for start in range(0, idx.numel(), batch_size):
-        sel = idx[start:start + batch_size]
-        out = model(data.images[sel])
-        y = data.labels[sel]
-        totals[0] += (out.argmax(1) == y).sum().item()
-        totals[1] += F.cross_entropy(out, y, reduction="sum").item()
-        totals[2] += sel.numel()
-    if world_size > 1:
-        dist.all_reduce(totals)
-    model.train(was_training)
-    return float(totals[0] / totals[2]), float(totals[1] / totals[2])
 
 
 def init_process_group(cfg: TrainConfig) -> None:
@@ -156,15 +138,15 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         from tqdm import tqdm
         progress = tqdm(total=total_steps, initial=step, desc=f"{cfg.algorithm} x{world}", unit="step", leave=False)
 
-    def evaluate_and_record(epoch: int) -> tuple[float, float]:
+    def evaluate_and_record(epoch: int) -> dict[str, float]:
         """Drain, score the global model, and log it (train_s excludes evaluation time)."""
         engine.synchronize()
-        acc, tl = evaluate(engine.module, test, rank, world)
-        writer.epoch({"epoch": epoch, "step": step, "test_accuracy": acc, "test_loss": tl,
+        scores = tasks.evaluate(engine.module, test, rank, world)
+        writer.epoch({"epoch": epoch, "step": step, **scores,
                       "wall_s": time.perf_counter() - wall0, "train_s": train_time})
-        return acc, tl
+        return scores
 
-    accuracy = test_loss = float("nan")
+    metrics: dict[str, float] = {}
     wall0 = time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
         if step >= total_steps:
@@ -174,7 +156,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             before = engine.stats.snapshot()
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(engine.module(x), y)
+            loss = tasks.loss(engine.module(x), y)
             loss.backward()
             applied = engine.step()
             if applied and scheduler is not None:
@@ -203,17 +185,17 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_s:.0f}")
             end_of_run = step >= total_steps
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not end_of_run:
-                accuracy, test_loss = evaluate_and_record(epoch)
+                metrics = evaluate_and_record(epoch)
             if (cfg.eval_every_epoch and in_epoch + 1 == batches.steps_per_epoch) or end_of_run:
                 # evaluated before the checkpoint of this step, so a resume never repeats it
-                accuracy, test_loss = evaluate_and_record(epoch)
+                metrics = evaluate_and_record(epoch)
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or end_of_run):
                 save_checkpoint(epoch, in_epoch + 1)
             if end_of_run:
                 break
     engine.synchronize()
-    if math.isnan(accuracy):
-        accuracy, test_loss = evaluate(engine.module, test, rank, world)
+    if not metrics:
+        metrics = tasks.evaluate(engine.module, test, rank, world)
     wall = time.perf_counter() - wall0
     if progress is not None:
         progress.close()
@@ -229,9 +211,9 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         summary = {
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
             "algorithm_summary": engine.algorithm.summary(),
-            "workers": world, "model": cfg.model, "dataset": cfg.dataset,
+            "workers": world, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
-            "test_accuracy": accuracy, "test_loss": test_loss,
+            **metrics, **tasks.describe_data(train, test),
             "wall_s": wall, "train_s": train_time,
             "step_ms": 1e3 * train_time / max(1, step),
             "throughput": step * cfg.batch_size * world / train_time if train_time > 0 else None,

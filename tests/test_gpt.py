@@ -1,0 +1,130 @@
+"""The byte-level transformer: shapes, tied embedding, the LM task, and data-parallel
+training of its tied weights equal to single-process training (multi-process, gloo)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lowband
+from lowband import schedules, tasks
+from lowband.data import TEXT_WINDOW, ShardedBatches, TextWindows
+from lowband.models import GPT, make_model
+
+from .distributed import run_distributed
+from .training import max_rel_err
+
+STEPS = 6
+WINDOW = 16
+LOCAL = 4
+
+
+def small_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(context=WINDOW, d_model=32, n_layers=2, n_heads=4)
+
+
+def text_data() -> TextWindows:
+    g = torch.Generator().manual_seed(7)
+    # a learnable stream: a short repeated phrase with random bytes mixed in
+    stream = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 40), dtype=torch.uint8)
+    noise = torch.rand(stream.numel(), generator=g) < 0.1
+    stream[noise] = torch.randint(0, 256, (int(noise.sum()),), generator=g, dtype=torch.uint8)
+    starts = torch.arange(0, stream.numel() - WINDOW - 1, WINDOW)
+    return TextWindows(stream, starts, WINDOW, ["fake.py"], "0")
+
+
+def make_optimizer(kind: str, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # eps 1e-6, not 1e-8: the key bias's gradient is zero in exact arithmetic (softmax ignores a
+    # shift shared by all keys), so it is rounding noise that Adam with a tiny eps would blow up
+    # to full-size, order-dependent updates; lowband is exact, the noise is not
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+
+
+def train(model, opt, batches, step_fn, forward):
+    it = batches.epoch(0)
+    for _ in range(STEPS):
+        x, y = next(it)
+        opt.zero_grad()
+        tasks.loss(forward(x), y).backward()
+        step_fn()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_default_gpt_is_tied_byte_level_and_sized():
+    m = make_model("gpt")
+    assert m.head.weight is m.tok.weight
+    names = [n for n, _ in m.named_parameters()]
+    assert "tok.weight" in names and "head.weight" not in names     # one tensor, listed once
+    n = sum(p.numel() for p in m.parameters())
+    assert 1_000_000 <= n <= 3_000_000
+    assert m.context == TEXT_WINDOW
+    out = m(torch.randint(0, 256, (2, TEXT_WINDOW)))
+    assert out.shape == (2, TEXT_WINDOW, 256)
+    # untrained: close to uniform over 256 bytes
+    assert abs(tasks.loss(out, torch.randint(0, 256, (2, TEXT_WINDOW))).item() - math.log(256)) < 0.3
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        m(torch.zeros(1, TEXT_WINDOW + 1, dtype=torch.long))
+
+
+def test_gpt_is_causal():
+    m = small_gpt().eval()
+    x = torch.randint(0, 256, (1, WINDOW))
+    y = x.clone()
+    y[0, -1] = (y[0, -1] + 1) % 256
+    # changing the last byte changes no earlier position's prediction
+    assert torch.equal(m(x)[0, :-1], m(y)[0, :-1])
+
+
+def _ssgd(rank, world, kind):
+    model = small_gpt()
+    opt = make_optimizer(kind, model)
+    engine = lowband.distribute(model, opt, "ssgd", bucket_mb=0.01)
+    params = train(model, opt, ShardedBatches(text_data(), LOCAL, rank, world, seed=3), engine.step, engine.module)
+    engine.synchronize()
+    assert model.head.weight is model.tok.weight
+    return params, engine.stats.bytes_sent
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_tied_gpt_under_ssgd_equals_single_process(kind):
+    results = run_distributed(_ssgd, 2, kind)
+    model = small_gpt()
+    opt = make_optimizer(kind, model)
+    reference = train(model, opt, ShardedBatches(text_data(), 2 * LOCAL, 0, 1, seed=3), opt.step, model)
+    start = {n: p.detach().clone() for n, p in small_gpt().named_parameters()}
+    assert max_rel_err(reference, start) > 1e-3                          # it trained
+    for params, sent in results:
+        assert max_rel_err(params, reference) <= 1e-5
+        assert sent > 0
+    assert max_rel_err(results[1][0], results[0][0]) == 0.0
+
+
+def test_lm_evaluation_reports_bits_per_byte():
+    data = text_data()
+    m = small_gpt()
+    scores = tasks.evaluate(m, data, rank=0, world_size=1, batch_size=7)
+    assert scores["bits_per_byte"] == pytest.approx(scores["test_loss"] / math.log(2))
+    x, y = data.batch(torch.arange(len(data)))
+    with torch.no_grad():
+        assert scores["test_loss"] == pytest.approx(tasks.loss(m(x), y).item(), rel=1e-5)
+    assert 0.0 <= scores["test_accuracy"] <= 1.0
+
+
+def test_warmup_cosine_schedule():
+    f = [schedules.warmup_cosine(s, 4, 20) for s in range(25)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]                     # linear warm-up to the peak
+    assert f[4] == 1.0 and all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert f[20] == pytest.approx(schedules.COSINE_FINAL_RATIO) and f[24] == f[20]
+
+
+def test_pairing_of_model_and_dataset():
+    with pytest.raises(ValueError, match="needs a text dataset"):
+        tasks.check_pairing("gpt", "fashion-mnist")
+    with pytest.raises(ValueError, match="train it with a language model"):
+        tasks.check_pairing("cnn", "python-stdlib")
+    tasks.check_pairing("gpt", "python-stdlib")
+    tasks.check_pairing("cnn", "fashion-mnist")
