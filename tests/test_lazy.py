@@ -22,6 +22,10 @@ from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of,
 
 STEPS = 24
 TAU_CYCLES = 12          # drop-to-1-and-rise cycles of the n = 1 test
+TIED_STEPS = 8           # steps of the runs compared bit for bit with ssgd
+#: the 2-rank suite trains ten small models in one spawn; bound it generously (a loaded
+#: 2-core machine runs it several times slower than a quiet one)
+SUITE_TIMEOUT_S = 240.0
 
 
 def test_interval_rule_cases():
@@ -179,14 +183,14 @@ def _two_rank_suite(rank: int, world: int) -> dict:
         params, metrics, _ = _train(rank, world, SmallNet, "lazy", {"lazy_layers": layers, "variant": variant})
         out[variant] = params, [(t + 1, m["tau"]) for t, m in enumerate(metrics) if m["lazy_synced"]]
     for name, make, layers in (("pair", TiedPair, 3), ("lm", TiedLM, 2)):
-        lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1})
-        ssgd = _train(rank, world, make, "ssgd", {})
+        lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1}, steps=TIED_STEPS)
+        ssgd = _train(rank, world, make, "ssgd", {}, steps=TIED_STEPS)
         torch.manual_seed(0)
         out[name] = lazy[0], ssgd[0], params_of(make()), lazy[2]
     out["lm_adaptive"] = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2})[1]
     out["head_first"] = _train(rank, world, HeadFirst, "lazy", {"lazy_layers": 2}, steps=3)[2]
-    out["no_lazy"] = (_train(rank, world, SmallNet, "lazy", {"lazy_layers": 0})[0],
-                      _train(rank, world, SmallNet, "ssgd", {})[0])
+    out["no_lazy"] = (_train(rank, world, SmallNet, "lazy", {"lazy_layers": 0}, steps=TIED_STEPS)[0],
+                      _train(rank, world, SmallNet, "ssgd", {}, steps=TIED_STEPS)[0])
     try:
         _train(rank, world, _RankOrdered, "lazy", {"lazy_layers": 1}, steps=2)
         out["mismatch"] = None
@@ -197,7 +201,7 @@ def _two_rank_suite(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(_two_rank_suite, 2)
+    return run_distributed(_two_rank_suite, 2, timeout_s=SUITE_TIMEOUT_S)
 
 
 def simulate(world: int, lazy_names: list[str], variant: str):
