@@ -1,20 +1,31 @@
-"""Lazy update: the interval rule, and the multi-process algorithm against a slow simulation."""
+"""Lazy update: the interval rule, the lazy set (forward order, tied weights), and the
+multi-process algorithm against a slow simulation and against ssgd."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import lowband
-from lowband.algorithms.lazy import input_side_layers, interval_update, vote_update
+from lowband.agreement import ConfigMismatchError
+from lowband.algorithms.lazy import ForwardOrder, LazyPlan, input_side_layers, interval_update, vote_update
 from lowband.models import ResNet20
 
+from . import cli_runs
 from .distributed import run_distributed
-from .training import SmallNet, batches, make_optimizer, max_rel_err, run_algorithm
+from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of, train
 
 STEPS = 24
+TAU_CYCLES = 12          # drop-to-1-and-rise cycles of the n = 1 test
+TIED_STEPS = 8           # steps of the runs compared bit for bit with ssgd
+#: the 2-rank suite trains ten small models in one spawn; bound it generously (a loaded
+#: 2-core machine runs it several times slower than a quiet one)
+SUITE_TIMEOUT_S = float(os.environ.get("LOWBAND_TEST_SUITE_TIMEOUT_S", 240.0))
 
 
 def test_interval_rule_cases():
@@ -42,23 +53,155 @@ def test_vote_rule():
     assert vote_update([g, g], [2 * g, bad], 3)[0] == 3
 
 
-def test_input_side_layers_of_resnet20_skip_norms():
-    names = [n for n, _ in input_side_layers(ResNet20())]
-    assert names[:3] == ["conv1", "layers.0.conv1", "layers.0.conv2"]
-    assert not any("bn" in n for n in names) and names[-1] == "fc"
+# -- models for the lazy-set tests -------------------------------------------------------------
+
+class HeadFirst(nn.Module):
+    """Registered output first: registration order is the reverse of data flow."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 10)
+        self.norm = nn.LayerNorm(16)
+        self.mid = nn.Linear(32, 16)
+        self.stem = nn.Linear(28 * 28, 32)
+
+    def forward(self, x):
+        return self.head(self.norm(F.relu(self.mid(F.relu(self.stem(x.flatten(1)))))))
 
 
-def sgd(model):
-    return make_optimizer("sgd", model)
+class TiedPair(nn.Module):
+    """One weight used by two consecutive layers (both lazy with lazy_layers=3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(28 * 28, 32)
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x.flatten(1)))
+        return self.head(F.relu(self.b(F.relu(self.a(x)))))
 
 
-def _run(rank: int, world: int, options: dict):
-    params, engine = run_algorithm(rank, world, "lazy", options, STEPS)
-    return params, list(engine.algorithm.history)
+VOCAB, DIM, SEQ = 50, 16, 12
 
 
-def _ssgd(rank: int, world: int):
-    return run_algorithm(rank, world, "ssgd", {}, STEPS)[0]
+class TiedLM(nn.Module):
+    """A language model whose input embedding is the output head's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mid = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.emb(tokens))))
+
+
+def test_resnet20_lazy_set_follows_forward_order():
+    model = ResNet20()
+    recorder = ForwardOrder(input_side_layers(model))
+    model(torch.zeros(2, 1, 28, 28))
+    recorder.close()
+    plan = LazyPlan.build(model, list(model.parameters()), recorder.order, None)
+    # PCNN's 8: conv1, the six stage-1 convolutions, then the stage-2 projection (the probe)
+    assert plan.layers == ["conv1"] + [f"layers.{b}.conv{c}" for b in range(3) for c in (1, 2)] + \
+        ["layers.3.shortcut.0"]
+    assert not any("bn" in n for n in recorder.order) and recorder.order[-1] == "fc"
+
+
+def test_plan_of_tied_parameters():
+    pair = TiedPair()
+    params = list(pair.parameters())                 # the tied weight once
+    plan = LazyPlan.build(pair, params, ["stem", "a", "b", "head"], 3)
+    assert plan.layers == ["stem", "a", "b"] and plan.shared_regular == []
+    assert len(plan.indices) == len(set(plan.indices)) == 5     # stem w+b, tied w, a.bias, b.bias
+    lm = TiedLM()
+    params = list(lm.parameters())
+    plan = LazyPlan.build(lm, params, ["emb", "mid", "head"], 2)
+    tied = next(i for i, p in enumerate(params) if p is lm.emb.weight)
+    assert plan.shared_regular == [tied] and tied not in plan.indices
+    assert plan.layers == ["mid"]                    # emb keeps no lazy parameter
+
+
+# -- the multi-process runs --------------------------------------------------------------------
+
+def _lm_batches(rank: int, steps: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(rank, world, make_model, algorithm, options, steps=STEPS):
+    """(parameters, per-step metrics, summary) of a seeded model trained with lowband."""
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, algorithm, **options)
+    metrics = []
+    if isinstance(model, TiedLM):
+        for x, y in _lm_batches(rank, steps):
+            opt.zero_grad()
+            F.cross_entropy(engine.module(x).flatten(0, 1), y.flatten()).backward()
+            engine.step()
+            metrics.append(engine.algorithm.step_metrics())
+    else:
+        it = batches(rank, world).epoch(0)
+        for _ in range(steps):
+            x, y = next(it)
+            opt.zero_grad()
+            F.cross_entropy(engine.module(x), y).backward()
+            engine.step()
+            metrics.append(engine.algorithm.step_metrics())
+    engine.synchronize()
+    summary = engine.algorithm.summary()
+    engine.close()
+    return params_of(model), metrics, summary
+
+
+class _RankOrdered(nn.Module):
+    """Rank 1 runs its first two layers in the other order: the ranks disagree on the order."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(28 * 28, 28 * 28), nn.Linear(28 * 28, 28 * 28), nn.Linear(28 * 28, 10)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        first, second = (self.a, self.b) if torch.distributed.get_rank() == 0 else (self.b, self.a)
+        return self.c(second(first(x)))
+
+
+def _two_rank_suite(rank: int, world: int) -> dict:
+    out = {}
+    for variant, layers in (("probe", 1), ("vote", 2)):
+        params, metrics, _ = _train(rank, world, SmallNet, "lazy", {"lazy_layers": layers, "variant": variant})
+        out[variant] = params, [(t + 1, m["tau"]) for t, m in enumerate(metrics) if m["lazy_synced"]]
+    for name, make, layers in (("pair", TiedPair, 3), ("lm", TiedLM, 2)):
+        lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1}, steps=TIED_STEPS)
+        ssgd = _train(rank, world, make, "ssgd", {}, steps=TIED_STEPS)
+        torch.manual_seed(0)
+        out[name] = lazy[0], ssgd[0], params_of(make()), lazy[2]
+    out["lm_adaptive"] = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2})[1]
+    out["head_first"] = _train(rank, world, HeadFirst, "lazy", {"lazy_layers": 2}, steps=3)[2]
+    out["no_lazy"] = (_train(rank, world, SmallNet, "lazy", {"lazy_layers": 0}, steps=TIED_STEPS)[0],
+                      _train(rank, world, SmallNet, "ssgd", {}, steps=TIED_STEPS)[0])
+    try:
+        _train(rank, world, _RankOrdered, "lazy", {"lazy_layers": 1}, steps=2)
+        out["mismatch"] = None
+    except ConfigMismatchError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(_two_rank_suite, 2, timeout_s=SUITE_TIMEOUT_S)
 
 
 def simulate(world: int, lazy_names: list[str], variant: str):
@@ -66,7 +209,7 @@ def simulate(world: int, lazy_names: list[str], variant: str):
     tau steps the global sums are applied in one optimizer step, tau adapts from the probe."""
     torch.manual_seed(0)
     model = SmallNet()
-    opt = sgd(model)
+    opt = make_optimizer("sgd", model)
     named = dict(model.named_parameters())
     workers = [copy.deepcopy(model) for _ in range(world)]
     iters = [batches(r, world).epoch(0) for r in range(world)]
@@ -109,27 +252,122 @@ def simulate(world: int, lazy_names: list[str], variant: str):
     return {n: p.detach().clone() for n, p in named.items()}, history
 
 
-@pytest.mark.parametrize("variant, lazy_layers, lazy_names", [
-    ("probe", 1, ["conv.weight", "conv.bias"]),
-    ("vote", 2, ["conv.weight", "conv.bias", "fc1.weight", "fc1.bias"]),
+@pytest.mark.parametrize("variant, lazy_names", [
+    ("probe", ["conv.weight", "conv.bias"]),
+    ("vote", ["conv.weight", "conv.bias", "fc1.weight", "fc1.bias"]),
 ])
-def test_lazy_matches_simulation(variant, lazy_layers, lazy_names):
-    results = run_distributed(_run, 2, {"lazy_layers": lazy_layers, "variant": variant})
+def test_lazy_matches_simulation(two_ranks, variant, lazy_names):
     reference, ref_history = simulate(2, lazy_names, variant)
-    for params, history in results:
+    for per_rank in two_ranks:
+        params, history = per_rank[variant]
         assert history == ref_history
         assert max_rel_err(params, reference) <= 1e-5
-    assert max(tau for _, tau in ref_history) >= 2        # the interval really adapted
+    assert ref_history[0] == (1, 2)                        # step 1 is a window of n = 1
+    assert max(tau for _, tau in ref_history) >= 3         # the interval really adapted
     assert len(ref_history) < STEPS                        # and syncs were skipped
-    assert max_rel_err(results[0][0], results[1][0]) == 0.0
+    assert max_rel_err(two_ranks[0][variant][0], two_ranks[1][variant][0]) == 0.0
 
 
-def _zero_lazy_and_ssgd(rank, world):
-    return _run(rank, world, {"lazy_layers": 0})[0], _ssgd(rank, world)
+@pytest.mark.parametrize("name", ["pair", "lm"])
+def test_tied_weights_train_like_ssgd_at_tau_max_1(two_ranks, name):
+    for per_rank in two_ranks:
+        lazy, ssgd, initial, summary = per_rank[name]
+        assert all(torch.equal(lazy[k], ssgd[k]) for k in ssgd)
+        tied = "a.weight" if name == "pair" else "emb.weight"
+        assert not torch.equal(lazy[tied], initial[tied])          # the tied weight was updated
+    summary = two_ranks[0][name][3]
+    if name == "pair":   # tied between two lazy layers: lazy, listed once
+        assert summary["lazy_layers"] == ["stem", "a", "b"] and summary["lazy_parameters"].count("a.weight") == 1
+    else:                # the embedding tied to the (regular) output head: regular
+        assert summary["shared_regular_parameters"] == ["emb.weight"] and summary["lazy_layers"] == ["mid"]
 
 
-def test_no_lazy_layers_is_ssgd():
-    for lazy, ssgd in run_distributed(_zero_lazy_and_ssgd, 2):
+def test_tied_embedding_adapts(two_ranks):
+    metrics = two_ranks[0]["lm_adaptive"]
+    assert metrics == two_ranks[1]["lm_adaptive"]
+    assert max(m["tau"] for m in metrics) >= 2 and not all(m["lazy_synced"] for m in metrics)
+
+
+def test_lazy_layers_follow_forward_order(two_ranks):
+    summary = two_ranks[0]["head_first"]
+    assert summary["lazy_layers"] == ["stem", "mid"] and summary["probe_layer"] == "mid"
+
+
+def test_ranks_that_run_forward_differently_fail_together(two_ranks):
+    for per_rank in two_ranks:
+        assert per_rank["mismatch"] is not None and "forward order" in per_rank["mismatch"]
+
+
+# -- tau at n = 1 on 3 and 4 ranks (constructed gradients) ---------------------------------------
+
+def _tau_at_n1(group) -> list[tuple[int, int]]:
+    """Step 1, then cycles of: two steps whose global probe gradients u, -2u fail both tests
+    (tau 2 -> 1), then one n = 1 window whose gradients differ wildly across ranks (tau must
+    rise to 2 again). Returns (tau after the drop, tau after the n = 1 window) per cycle."""
+    rank = torch.distributed.get_rank(group)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.Linear(256, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    engine = lowband.distribute(model, opt, "lazy", process_group=group, lazy_layers=1)
+    g = torch.Generator().manual_seed(7 + rank)
+    probe = list(model[0].parameters())
+
+    def step(grads=None):
+        opt.zero_grad()
+        model(torch.ones(1, 8)).sum().backward()
+        if grads is not None:
+            for p, v in zip(probe, grads):
+                p.grad = v.clone()
+        engine.step()
+        return engine.algorithm.tau
+
+    assert step() == 2
+    out = []
+    for _ in range(TAU_CYCLES):
+        u = [torch.randn(p.shape, generator=torch.Generator().manual_seed(len(out))) for p in probe]
+        step(u)
+        dropped = step([-2 * v for v in u])
+        scale = 10.0 ** (3 * rank - 4)                # rank-dependent magnitudes: rounding differs
+        rose = step([scale * torch.randn(p.shape, generator=g) + 1e-3 * rank for p in probe])
+        out.append((dropped, rose))
+    engine.close()
+    return out
+
+
+def _tau_at_n1_on_3_and_4(rank: int, world: int) -> dict[int, list]:
+    three = torch.distributed.new_group([0, 1, 2])     # collective: every rank creates it
+    out = {4: _tau_at_n1(None)}
+    if rank < 3:
+        out[3] = _tau_at_n1(three)
+    return out
+
+
+def test_tau_rises_from_1_at_n_1_on_3_and_4_ranks():
+    results = run_distributed(_tau_at_n1_on_3_and_4, 4)
+    for rank, per_rank in enumerate(results):
+        assert per_rank[4] == [(1, 2)] * TAU_CYCLES
+        assert per_rank.get(3) == ([(1, 2)] * TAU_CYCLES if rank < 3 else None)
+
+
+# -- what a user sees: steps.jsonl and summary.json ---------------------------------------------
+
+def test_tau_and_sync_flags_in_steps_jsonl(tmp_path):
+    run = tmp_path / "run"
+    r = cli_runs.train([*cli_runs.SMALL, "--algorithm", "lazy", "--max-steps", "20", "--run-dir", str(run)])
+    assert r.returncode == 0, r.stderr
+    steps = [json.loads(line) for line in open(run / "steps.jsonl")]
+    assert [s["step"] for s in steps] == list(range(1, 21))
+    assert steps[0]["lazy_synced"] and steps[0]["tau"] == 2
+    synced = [s["lazy_synced"] for s in steps]
+    assert not all(synced) and sum(synced) >= 2
+    summary = json.load(open(run / "summary.json"))
+    assert summary["algorithm_summary"]["lazy_layers"] == ["hidden.0"]
+    assert summary["algorithm_summary"]["lazy_syncs"] == sum(synced)
+
+
+def test_no_lazy_layers_is_ssgd(two_ranks):
+    for per_rank in two_ranks:
+        lazy, ssgd = per_rank["no_lazy"]
         assert max_rel_err(lazy, ssgd) == 0.0
 
 
@@ -138,3 +376,21 @@ def test_bad_options():
         lowband.LazyUpdate(variant="majority")
     with pytest.raises(ValueError, match="lazy_layers"):
         lowband.LazyUpdate(lazy_layers=-1)
+
+
+def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path):
+    from lowband.bench import lazy_stats
+    from lowband.report import lazy_table, plot_tau
+    steps = [{"step": t, "tau": tau, "lazy_synced": s}
+             for t, (tau, s) in enumerate([(2, True), (2, False), (3, True), (3, False), (3, False), (2, True)], 1)]
+    stats = lazy_stats(steps)
+    assert stats["synced_fraction"] == 0.5 and stats["final_tau"] == 2 and stats["mean_tau"] == 2.5
+    assert stats["tau_curve"] == [(1, 2), (3, 3), (6, 2)]
+    assert lazy_stats([{"step": 1}]) == {}
+    base = {"bandwidth": "200mbit", "workers": 2, "median_step_ms": 100.0}
+    rows = [{**base, "algorithm": "ssgd", "median_comm_wait_ms": 40.0},
+            {**base, "algorithm": "lazy:bucket_mb=0.25", "median_comm_wait_ms": 10.0, **stats}]
+    table = lazy_table(rows)
+    assert "| 200mbit | 2 | lazy:bucket_mb=0.25 | 50.0% | 2.50 | 2 | 100.0 | 100.0 | 10.0 | 40.0 | 0.25 |" in table
+    assert plot_tau(rows, str(tmp_path)) == ["tau_over_steps.png"] and (tmp_path / "tau_over_steps.png").exists()
+    assert lazy_table(rows[:1]) == "" and plot_tau(rows[:1], str(tmp_path)) == []

@@ -37,8 +37,32 @@ class RunResult:
             "median_compute_ms": 1e3 * self.median("compute_s"),
             "median_comm_wait_ms": 1e3 * self.median("comm_wait_s"),
             "median_bytes_sent": self.median("bytes_sent"),
+            **lazy_stats(self.steps),
             **extra,
         }
+
+
+#: most points of a run's tau curve kept in a results row
+TAU_CURVE_POINTS = 400
+
+
+def lazy_stats(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """For runs whose steps log the lazy update's ``tau`` and ``lazy_synced``: the fraction of
+    steps on which the lazy layers synchronized, mean and final tau, and tau over steps
+    (every change kept; thinned to about TAU_CURVE_POINTS points). Empty for other runs."""
+    logged = [s for s in steps if "tau" in s and "lazy_synced" in s]
+    if not logged:
+        return {}
+    changes = [(s["step"], s["tau"]) for k, s in enumerate(logged)
+               if k == 0 or k == len(logged) - 1 or s["tau"] != logged[k - 1]["tau"]]
+    stride = max(1, len(changes) // TAU_CURVE_POINTS)
+    curve = changes[::stride] + ([changes[-1]] if (len(changes) - 1) % stride else [])
+    return {
+        "synced_fraction": sum(bool(s["lazy_synced"]) for s in logged) / len(logged),
+        "mean_tau": statistics.fmean(s["tau"] for s in logged),
+        "final_tau": logged[-1]["tau"],
+        "tau_curve": curve,
+    }
 
 
 def run_config(

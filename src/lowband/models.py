@@ -53,9 +53,12 @@ class BasicBlock(nn.Module):
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the shortcut first: in data-flow order the projection is the input-side layer of its
+        # block, as in PCNN's layer list (the lazy update orders layers by first forward use)
+        identity = self.shortcut(x)
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
+        return F.relu(out + identity)
 
 
 class ResNet20(nn.Module):

@@ -150,6 +150,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
     fig.savefig(os.path.join(out_dir, "throughput_vs_bandwidth.png"), dpi=110)
     plt.close(fig)
     written.append("throughput_vs_bandwidth.png")
+    written += plot_tau(rows, out_dir)
     written += plot_to_target(rows, out_dir)
     return written
 
@@ -310,6 +311,77 @@ def plot_to_target(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
     return written
 
 
+# -- the lazy update: tau and synced steps, next to ssgd --------------------------------------
+
+TAU_PLOT = "tau_over_steps.png"
+LAZY_COLUMNS = [
+    ("bandwidth", "bandwidth", "{}"),
+    ("workers", "workers", "{}"),
+    ("algorithm", "algorithm", "{}"),
+    ("synced steps", "synced_fraction", "{:.1%}"),
+    ("mean tau", "mean_tau", "{:.2f}"),
+    ("final tau", "final_tau", "{}"),
+    ("step ms", "median_step_ms", "{:.1f}"),
+    ("ssgd step ms", "ssgd_step_ms", "{:.1f}"),
+    ("comm wait ms", "median_comm_wait_ms", "{:.1f}"),
+    ("ssgd comm wait ms", "ssgd_comm_wait_ms", "{:.1f}"),
+    ("wait / ssgd's", "comm_wait_over_ssgd", "{:.2f}"),
+]
+
+
+def lazy_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that logged tau, each with the first ``ssgd`` row of its link and worker count
+    beside it (median step time and exposed communication wait, and the wait ratio)."""
+    out = []
+    for r in rows:
+        if "synced_fraction" not in r:
+            continue
+        r = dict(r)
+        peer = next((p for p in rows if (p["bandwidth"], p["workers"]) == (r["bandwidth"], r["workers"])
+                     and str(p["algorithm"]).split(":")[0] == "ssgd"), None)
+        if peer is not None:
+            r["ssgd_step_ms"] = peer["median_step_ms"]
+            r["ssgd_comm_wait_ms"] = peer["median_comm_wait_ms"]
+            if peer["median_comm_wait_ms"] > 0:
+                r["comm_wait_over_ssgd"] = r["median_comm_wait_ms"] / peer["median_comm_wait_ms"]
+        out.append(r)
+    return out
+
+
+def lazy_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of the lazy-update rows (empty string when there are none)."""
+    sel = lazy_rows(rows)
+    return markdown_table(sel, LAZY_COLUMNS) if sel else ""
+
+
+def plot_tau(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
+    """tau over steps of every run that logged it, one panel per link and worker count, the
+    fraction of synced steps in the legend. Returns the written file names (none without such runs)."""
+    sel = [r for r in rows if r.get("tau_curve")]
+    if not sel:
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["bandwidth"], r["workers"]) for r in sel}, key=lambda g: (g[1], str(g[0])))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.4), squeeze=False)
+    for ax, (bw, w) in zip(axes[0], groups):
+        for r in sel:
+            if (r["bandwidth"], r["workers"]) == (bw, w):
+                steps, taus = zip(*r["tau_curve"])
+                ax.step(steps, taus, where="post", label=f"{r['algorithm']} ({r['synced_fraction']:.0%} synced)")
+        ax.set_title(f"{w} workers, {bw}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("tau")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, TAU_PLOT), dpi=110)
+    plt.close(fig)
+    return [TAU_PLOT]
+
+
 def render_section(results: dict[str, Any], results_path: str, images_dir: Optional[str], doc_path: str,
                    section: str = DEFAULT_SECTION) -> str:
     rows = derive(results["rows"])
@@ -337,6 +409,11 @@ def render_section(results: dict[str, Any], results_path: str, images_dir: Optio
         parts += ["", *(f"![{name}]({rel}/{name})" for name in
                        (*(f"to_target_{m}.png" for m in models),
                         "accuracy_vs_time.png", "step_time_split.png", "throughput_vs_bandwidth.png"))]
+    lazy = lazy_table(rows)
+    if lazy:
+        parts += ["", "Lazy update: synchronized steps, tau, and exposed communication next to ssgd's:", "", lazy]
+        if images_dir and any(r.get("tau_curve") for r in rows):
+            parts += ["", f"![{TAU_PLOT}]({os.path.relpath(os.path.abspath(images_dir), doc_dir)}/{TAU_PLOT})"]
     for note in results.get("notes", []):
         parts += ["", note]
     return "\n".join(parts)
@@ -364,6 +441,8 @@ def main_report(results_path: str, doc: Optional[str], images: Optional[str], se
     print(target_table(rows))
     print("\n".join(target_summary(rows)))
     print(markdown_table(rows))
+    if lazy_table(rows):
+        print("\n" + lazy_table(rows))
     if images:
         os.makedirs(images, exist_ok=True)
         plot(rows, images)

@@ -228,6 +228,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     if rank == 0:
         summary = {
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
+            "algorithm_summary": engine.algorithm.summary(),
             "workers": world, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
             **metrics, **tasks.describe_data(train, test),

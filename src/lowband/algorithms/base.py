@@ -111,6 +111,12 @@ class Algorithm(ABC):
         Must not communicate and must not change state."""
         return {}
 
+    def summary(self) -> dict[str, Any]:
+        """Plain-data facts about the run that the training loop writes into ``summary.json``
+        under ``algorithm_summary`` at the end (the lazy update's lazy layers, ...). Must not
+        communicate and must not change state."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """Trajectory-relevant state (residuals, counters, pipeline), keyed by parameter name."""
         return {}

@@ -1,4 +1,4 @@
-"""Lazy parameter update with an adaptive per-layer update interval (spec A.4, B.2).
+"""Lazy parameter update with an adaptive update interval (spec A.4, B.2).
 
 Input-side layers get their gradients *last* in backprop, so their communication cannot hide
 behind computation. This algorithm lets those layers ("lazy" layers) accumulate their local
@@ -14,26 +14,41 @@ global gradient g with the accumulated global sum A (which includes g) over the 
     both -> tau + 1;  neither -> max(1, tau - 1);  otherwise tau unchanged
 
 Both tests compare norms of agreed (all-reduced) tensors, so every rank takes the same decision,
-and neither has a tunable threshold (scaling g and A together does not change them).
+and neither has a tunable threshold (scaling g and A together does not change them). At n = 1,
+A *is* g, both tests hold with equality and tau rises: that case is decided exactly, without
+sending g (two reduced copies of one tensor can come back rounded differently on 3+ ranks).
+
+*Input side* means data flow, not registration order: the parameterized modules are ordered
+by when they first run in forward. That order is only known once a forward has run, so step 1
+synchronizes every layer (as a tau = 1 window would anyway), then all ranks check that they
+recorded the same order and fix the lazy set (:class:`LazyPlan`).
+
+Parameters shared between modules (tied weights) are handled once each: a parameter is lazy
+only when every module that owns it is lazy; one shared with a regular layer (an input
+embedding tied to the output head that stays regular) is regular, synchronized every step,
+so no regular layer's update is ever delayed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agreement import check_agreement
 from ..collectives.communicator import flatten
+from ..collectives.wire import MIB
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from ..collectives.wire import MIB
 
 VARIANTS = ("probe", "vote")
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
-#: PCNN's NUM_LAZY_LAYERS: conv1 + stage 1 + the first stage-2 layer of ResNet-20
+#: PCNN's NUM_LAZY_LAYERS: conv1 + stage 1 + the stage-2 projection of ResNet-20
 DEFAULT_LAZY_LAYERS = 8
+#: the agreement field under which ranks compare their recorded forward order
+ORDER_FIELD = "lazy: forward order of parameterized modules"
 
 
 def interval_update(g: torch.Tensor, acc: torch.Tensor, n: int, tau: int) -> tuple[int, bool, bool]:
@@ -65,26 +80,89 @@ def vote_update(gs: list[torch.Tensor], accs: list[torch.Tensor], tau: int) -> t
     return tau, violations
 
 
-def input_side_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules that own parameters, in registration order (the forward order of the usual
-    sequential CNNs), excluding normalisation layers, which are always synchronized."""
-    out = []
-    for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if own and not isinstance(module, NORM_LAYERS):
-            out.append((name, module))
-    return out
+def input_side_layers(model: nn.Module, order: Optional[Sequence[str]] = None) -> list[tuple[str, nn.Module]]:
+    """Modules that own trainable parameters, excluding normalisation layers (always
+    synchronized). With ``order`` (module names in the order they first ran in forward), those
+    come first in that order and modules that never ran follow in registration order;
+    without it, registration order."""
+    layers = [(name, m) for name, m in model.named_modules()
+              if any(p.requires_grad for p in m.parameters(recurse=False)) and not isinstance(m, NORM_LAYERS)]
+    if order is None:
+        return layers
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(layers, key=lambda nm: rank.get(nm[0], len(rank)))   # stable: unseen keep registration order
+
+
+class ForwardOrder:
+    """Records the order in which ``modules`` first run in forward (forward pre-hooks)."""
+
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]]):
+        self.order: list[str] = []
+        self._seen: set[str] = set()
+        self._hooks = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules]
+
+    def _hook(self, name: str):
+        def hook(_module, _args) -> None:
+            if name not in self._seen:
+                self._seen.add(name)
+                self.order.append(name)
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+@dataclass
+class LazyPlan:
+    """Which parameters are lazy, fixed once the forward order is known.
+
+    ``layers``: the lazy layers (module names, forward order) that keep at least one lazy
+    parameter; ``slices``: their lazy parameter indices (a parameter tied between two lazy
+    layers appears in both); ``indices``: every lazy parameter index once; ``shared_regular``:
+    indices owned by a lazy layer but also by a regular module, hence regular."""
+
+    order: list[str]
+    layers: list[str]
+    slices: list[list[int]]
+    indices: list[int]
+    shared_regular: list[int]
+
+    @classmethod
+    def build(cls, model: nn.Module, params: Sequence[nn.Parameter], order: Sequence[str],
+              lazy_layers: Optional[int]) -> "LazyPlan":
+        layers = input_side_layers(model, order)
+        wanted = min(DEFAULT_LAZY_LAYERS, len(layers) // 2) if lazy_layers is None else lazy_layers
+        count = min(wanted, max(0, len(layers) - 1))        # the output-side layer is never lazy
+        chosen = {name for name, _ in layers[:count]}
+        index_of = {id(p): i for i, p in enumerate(params)}
+        owners: dict[int, set[str]] = {}
+        for name, m in model.named_modules():
+            for p in m.parameters(recurse=False):
+                if id(p) in index_of:
+                    owners.setdefault(index_of[id(p)], set()).add(name)
+        names, slices, indices, shared = [], [], [], []
+        for name, m in layers[:count]:
+            own = list(dict.fromkeys(index_of[id(p)] for p in m.parameters(recurse=False) if id(p) in index_of))
+            lazy = [i for i in own if owners[i] <= chosen]
+            shared += [i for i in own if i not in lazy and i not in shared]
+            if lazy:
+                names.append(name)
+                slices.append(lazy)
+                indices += [i for i in lazy if i not in indices]
+        return cls(list(order), names, slices, indices, shared)
 
 
 @dataclass
 class LazyUpdate(Algorithm):
     """Knobs:
-        lazy_layers: how many input-side parameterized layers (norm layers excluded) are lazy.
-            ``None`` (default) = PCNN's 8, but at most half of the model's layers: 8 is conv1,
-            stage 1 and one stage-2 layer of ResNet-20 (8 of 21 layers, 5% of the weights),
-            whereas on a 4-layer LeNet it would make the 400K-weight fc1 lazy too (measured:
-            diverges at lr 0.05, momentum 0.9); the paper targets the input side, not most of
-            the model. 0 = S-SGD.
+        lazy_layers: how many input-side parameterized layers (forward order, norm layers
+            excluded) are lazy. ``None`` (default) = PCNN's 8, but at most half of the model's
+            layers: 8 is conv1, stage 1 and the stage-2 projection of ResNet-20 (8 of 21
+            layers, 5% of the weights), whereas on a 4-layer LeNet it would make the
+            400K-weight fc1 lazy too (measured: diverges at lr 0.05, momentum 0.9); the paper
+            targets the input side, not most of the model. 0 = S-SGD.
         variant: ``"probe"`` (the released code: the deepest lazy layer decides) or ``"vote"``
             (the angle test on every lazy layer; its latest gradients are all reduced at syncs).
         tau_max: optional cap on the interval (not in the paper's code; None = no cap).
@@ -108,32 +186,44 @@ class LazyUpdate(Algorithm):
         if not self.bucket_mb > 0:
             raise ValueError(f"lazy: bucket_mb must be > 0, got {self.bucket_mb}")
 
+    # -- binding: every layer is regular until the forward order is known ---------------------
     def bind(self, ctx: EngineContext) -> None:
         self.ctx = ctx
-        layers = input_side_layers(ctx.model)
-        wanted = min(DEFAULT_LAZY_LAYERS, len(layers) // 2) if self.lazy_layers is None else self.lazy_layers
-        count = min(wanted, max(0, len(layers) - 1))
-        index_of = {id(p): i for i, p in enumerate(ctx.params)}
-        self.lazy_modules = [name for name, _ in layers[:count]]
-        self.lazy_indices: list[int] = []
-        self.layer_slices: list[list[int]] = []          # param indices per lazy layer
-        for _, module in layers[:count]:
-            idx = [index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in index_of]
-            self.layer_slices.append(idx)
-            self.lazy_indices.extend(idx)
-        lazy = set(self.lazy_indices)
-        regular = [i for i in range(len(ctx.params)) if i not in lazy]
-        self.is_lazy = [i in lazy for i in range(len(ctx.params))]
-        self.buckets = BucketSet(ctx.params, regular, int(self.bucket_mb * MIB), self._launch)
-        self.probe = self.layer_slices[-1] if self.layer_slices else []
-        self.acc = [torch.zeros_like(ctx.params[i]) for i in self.lazy_indices]
-        self.acc_of = {i: k for k, i in enumerate(self.lazy_indices)}   # parameter index -> accumulator
+        self.plan: Optional[LazyPlan] = None
+        self._recorder: Optional[ForwardOrder] = ForwardOrder(input_side_layers(ctx.model))
+        self._set_plan(None)
         self.tau = 1
         self.n = 0
         self.syncs = 0
-        self.history: list[tuple[int, int]] = []         # (step, tau) after each sync
         self.t = 0
+        self.synced = False          # whether the lazy layers synchronized on the last step
 
+    def _set_plan(self, plan: Optional[LazyPlan]) -> None:
+        params = self.ctx.params
+        self.plan = plan
+        lazy = plan.indices if plan is not None else []
+        self.lazy_indices = list(lazy)
+        self.is_lazy = [False] * len(params)
+        for i in lazy:
+            self.is_lazy[i] = True
+        regular = [i for i in range(len(params)) if not self.is_lazy[i]]
+        self.buckets = BucketSet(params, regular, int(self.bucket_mb * MIB), self._launch)
+        self.acc_of = {i: k for k, i in enumerate(lazy)}        # parameter index -> accumulator
+        self.acc = [torch.zeros_like(params[i]) for i in lazy]
+        self.had = torch.zeros(len(lazy), dtype=params[0].dtype if params else torch.float32)
+        self.probe = plan.slices[-1] if plan is not None and plan.slices else []
+        if plan is not None and self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+
+    def _fix_plan(self) -> None:
+        """After step 1's forward: agree on the recorded order (every rank raises the same
+        ConfigMismatchError if they differ) and fix the lazy set."""
+        order = self._recorder.order if self._recorder is not None else []
+        check_agreement({ORDER_FIELD: order}, self.ctx.comm.group)
+        self._set_plan(LazyPlan.build(self.ctx.model, self.ctx.params, order, self.lazy_layers))
+
+    # -- per iteration -------------------------------------------------------------------------
     def _launch(self, b: Bucket):
         return self.ctx.comm.all_reduce(b.buffer, op=dist.ReduceOp.AVG, async_op=True)
 
@@ -141,16 +231,20 @@ class LazyUpdate(Algorithm):
         if not self.is_lazy[index]:
             self.buckets.mark_ready(index)
 
+    def _capped(self, tau: int) -> int:
+        return tau if self.tau_max is None else min(tau, self.tau_max)
+
     def step(self) -> None:
         params = self.ctx.params
         self.buckets.launch_remaining()
-        sync_handle = None
+        sync_handle = fused = latest = None
         if self.lazy_indices:
             latest = []
             for k, i in enumerate(self.lazy_indices):
                 g = params[i].grad
                 if g is not None:
                     self.acc[k].add_(g)
+                    self.had[k] = 1
                 latest.append(g)
                 params[i].grad = None           # the optimizer skips lazy layers between syncs
             self.n += 1
@@ -159,57 +253,109 @@ class LazyUpdate(Algorithm):
         for b in self.buckets.buckets:
             b.handle.wait()
             self.buckets.write_gradients(b)
+        self.synced = sync_handle is not None
         if sync_handle is not None:
             sync_handle.wait()
             self._finish_sync(fused)
         self.ctx.optimizer.step()
         self.buckets.reset()
         self.t += 1
+        if self.plan is None:
+            # step 1 synchronized every layer: for the layers that now become lazy that was a
+            # window of n = 1, where the interval rule holds exactly (A == g): tau 1 -> 2
+            self._fix_plan()
+            if self.lazy_indices:
+                self.tau, self.syncs, self.synced = self._capped(self.tau + 1), self.syncs + 1, True
+
+    def _latest_needed(self) -> list[int]:
+        """Parameter indices whose latest gradient the interval rule needs at this sync; none
+        at n = 1, where the latest gradient *is* the accumulated sum."""
+        if self.n == 1:
+            return []
+        return self.lazy_indices if self.variant == "vote" else self.probe
 
     def _launch_sync(self, latest: list[Optional[torch.Tensor]]):
-        """One fused all-reduce: every lazy accumulator plus the latest gradients the interval
-        rule needs (the probe layer's, or every lazy layer's for the vote variant)."""
-        need = self.lazy_indices if self.variant == "vote" else self.probe
-        pos = self.acc_of
-        extra = [latest[pos[i]] if latest[pos[i]] is not None else torch.zeros_like(self.ctx.params[i]) for i in need]
-        fused = flatten(self.acc + extra)
+        """One fused all-reduce: every lazy accumulator, one had-a-gradient flag per lazy
+        parameter (none on any rank in the window: the optimizer skips it, as in ``ssgd``), and
+        the latest gradients the interval rule needs (:meth:`_latest_needed`)."""
+        params, pos = self.ctx.params, self.acc_of
+        extra = [latest[pos[i]] if latest[pos[i]] is not None else torch.zeros_like(params[i])
+                 for i in self._latest_needed()]
+        fused = flatten(self.acc + [self.had] + extra)
         return self.ctx.comm.all_reduce(fused, op=dist.ReduceOp.AVG, async_op=True), fused
 
     def _finish_sync(self, fused: torch.Tensor) -> None:
-        params, offset = self.ctx.params, 0
+        params, pos, offset = self.ctx.params, self.acc_of, 0
         accs = []
-        for k, i in enumerate(self.lazy_indices):
+        for i in self.lazy_indices:
             n = params[i].numel()
             accs.append(fused[offset:offset + n])
-            params[i].grad = fused[offset:offset + n].view_as(params[i]).clone()   # sum over n steps of global means
             offset += n
-        pos = self.acc_of
-        if self.variant == "probe":
-            g = fused[offset:].clone()
+        flags = fused[offset:offset + len(self.lazy_indices)]
+        offset += len(self.lazy_indices)
+        for k, i in enumerate(self.lazy_indices):   # the sum over the window of global means
+            params[i].grad = accs[k].view_as(params[i]).clone() if float(flags[k]) > 0 else None
+        latest, off = {}, offset
+        for i in self._latest_needed():
+            latest[i] = fused[off:off + params[i].numel()]
+            off += params[i].numel()
+        if self.n == 1:
+            tau = self.tau + 1                       # A == g: both tests hold with equality
+        elif self.variant == "probe":
+            g = torch.cat([latest[i] for i in self.probe])
             a = torch.cat([accs[pos[i]] for i in self.probe])
             tau, _, _ = interval_update(g, a, self.n, self.tau)
         else:
-            gs, accs_by_layer, off = [], [], offset
-            for layer in self.layer_slices:
-                size = sum(params[i].numel() for i in layer)
-                gs.append(fused[off:off + size])
-                accs_by_layer.append(torch.cat([accs[pos[i]] for i in layer]))
-                off += size
+            gs = [torch.cat([latest[i] for i in layer]) for layer in self.plan.slices]
+            accs_by_layer = [torch.cat([accs[pos[i]] for i in layer]) for layer in self.plan.slices]
             tau, _ = vote_update(gs, accs_by_layer, self.tau)
-        self.tau = tau if self.tau_max is None else min(tau, self.tau_max)
+        self.tau = self._capped(tau)
         for a in self.acc:
             a.zero_()
+        self.had.zero_()
         self.n = 0
         self.syncs += 1
-        self.history.append((self.t + 1, self.tau))
 
+    # -- what users see --------------------------------------------------------------------------
+    def step_metrics(self) -> dict[str, Any]:
+        """``tau``: the interval after this step (the length of the current window);
+        ``lazy_synced``: whether the lazy layers synchronized on this step. Empty when the
+        model has no lazy layers."""
+        if not self.lazy_indices:
+            return {}
+        return {"tau": self.tau, "lazy_synced": self.synced}
+
+    def summary(self) -> dict[str, Any]:
+        if self.plan is None:
+            return {"lazy_layers": None}
+        names = self.ctx.names
+        return {
+            "lazy_layers": self.plan.layers,
+            "probe_layer": self.plan.layers[-1] if self.plan.layers else None,
+            "lazy_parameters": [names[i] for i in self.plan.indices],
+            "lazy_parameter_share": (sum(self.ctx.params[i].numel() for i in self.plan.indices)
+                                     / max(1, sum(p.numel() for p in self.ctx.params))),
+            "shared_regular_parameters": [names[i] for i in self.plan.shared_regular],
+            "tau": self.tau, "lazy_syncs": self.syncs,
+        }
+
+    # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "tau": self.tau, "n": self.n, "syncs": self.syncs, "t": self.t,
+            "forward_order": list(self.plan.order) if self.plan is not None else None,
             "accumulators": {self.ctx.names[i]: a.clone() for i, a in zip(self.lazy_indices, self.acc)},
+            "had_gradient": self.had.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        order = state.get("forward_order")
+        if order is not None:
+            plan = LazyPlan.build(self.ctx.model, self.ctx.params, order, self.lazy_layers)
+            if self.plan is None:
+                self._set_plan(plan)
+            elif plan.indices != self.plan.indices:
+                raise ValueError(f"lazy: checkpoint's lazy layers {plan.layers} differ from this run's {self.plan.layers}")
         self.tau, self.n, self.syncs, self.t = int(state["tau"]), int(state["n"]), int(state["syncs"]), int(state["t"])
         saved = state["accumulators"]
         names = [self.ctx.names[i] for i in self.lazy_indices]
@@ -217,3 +363,9 @@ class LazyUpdate(Algorithm):
             raise ValueError(f"lazy: checkpoint has accumulators for {sorted(saved)}, this model's lazy layers are {names}")
         for name, a in zip(names, self.acc):
             a.copy_(saved[name])
+        self.had.copy_(state["had_gradient"])
+
+    def close(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
