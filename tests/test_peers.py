@@ -225,13 +225,14 @@ def test_localsgd_period_schedule_and_drain():
 # -- knobs ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, options, message", [
     ("ddp", {"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0"),
-    ("ddp-fp16", {"broadcast_buffers": "yes"}, "broadcast_buffers must be True or False"),
+    ("ddp-fp16", {"broadcast_buffers": "maybe"}, "broadcast_buffers. must be true or false"),
     ("ddp-powersgd", {"matrix_approximation_rank": 0}, "matrix_approximation_rank must be an integer >= 1"),
     ("ddp-powersgd", {"start_powerSGD_iter": 1}, "start_powerSGD_iter must be > 1"),
-    ("ddp-powersgd", {"min_compression_rate": -1}, "min_compression_rate must be > 0"),
-    ("ddp-powersgd", {"use_error_feedback": 1}, "use_error_feedback must be True or False"),
+    ("ddp-powersgd", {"min_compression_rate": -1}, "min_compression_rate. must be >= 0"),
+    ("ddp-powersgd", {"min_compression_rate": 0}, "min_compression_rate must be > 0"),
+    ("ddp-powersgd", {"use_error_feedback": 2}, "use_error_feedback. must be true or false"),
     ("localsgd", {"period": 0}, "period must be an integer >= 1"),
-    ("localsgd", {"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+    ("localsgd", {"warmup_steps": -1}, "warmup_steps. must be >= 0"),
     ("localsgd", {"periods": 3}, "bad options for algorithm 'localsgd'"),
 ])
 def test_bad_knobs_are_refused_with_a_sentence(name, options, message):

@@ -64,7 +64,6 @@ def _run(rank: int, world: int, algorithm: str, evaluate: bool) -> dict:
             with torch.no_grad():
                 evals.append(engine.global_model()(probe).sum().item())
     trajectory = _state(model, opt)
-    bytes_sent = engine.stats.bytes_sent
     try:
         engine.check_replicas()                    # identical replicated state on every rank
         mismatch = None
@@ -74,6 +73,9 @@ def _run(rank: int, world: int, algorithm: str, evaluate: bool) -> dict:
     cp_global = getattr(engine.algorithm, "global_weights", None)
     cp_global = None if cp_global is None else [w.clone() for w in cp_global]
     engine.synchronize()
+    # read after synchronize: with a pipelined step in flight the byte count depends on how far
+    # the background queue got (an evaluation waits for it), not on the trajectory
+    bytes_sent = engine.stats.bytes_sent
     synced = {n: p.detach().clone() for n, p in model.named_parameters()}
     synced.update({n: b.clone() for n, b in model.named_buffers()})
     global_copy = {n: p.detach().clone() for n, p in gm.named_parameters()}

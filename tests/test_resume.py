@@ -20,6 +20,8 @@ OPTIONS = {
     "ddp-powersgd": {"start_powerSGD_iter": 2},
     "localsgd": {"warmup_steps": 1, "period": 3},
 }
+#: registry algorithms without checkpoint support (torchft keeps their outer state itself)
+NO_CHECKPOINTS = {"diloco", "streaming-diloco"}
 #: further configurations whose pipeline state differs (name -> algorithm, options)
 VARIANTS = {
     "cpsgd/burst-flush": ("cpsgd", {"warmup_steps": 2, "correction": "burst", "correction_period": 2,
@@ -72,7 +74,9 @@ def _roundtrip(rank: int, world: int, algorithm: str, options: dict) -> bool:
 
 
 def _all(rank: int, world: int) -> dict[str, bool]:
-    results = {a: _roundtrip(rank, world, a, OPTIONS.get(a, {})) for a in sorted(lowband.ALGORITHMS)}
+    # the torchft peers refuse checkpoints with one clear line by design (tests/test_diloco.py)
+    results = {a: _roundtrip(rank, world, a, OPTIONS.get(a, {})) for a in sorted(lowband.ALGORITHMS)
+               if a not in NO_CHECKPOINTS}
     results.update({v: _roundtrip(rank, world, a, o) for v, (a, o) in VARIANTS.items()})
     return results
 
@@ -80,6 +84,6 @@ def _all(rank: int, world: int) -> dict[str, bool]:
 def test_state_roundtrip_of_every_algorithm():
     results = run_distributed(_all, 2)
     for per_rank in results:
-        assert sorted(per_rank) == sorted([*lowband.ALGORITHMS, *VARIANTS])
+        assert sorted(per_rank) == sorted([*(set(lowband.ALGORITHMS) - NO_CHECKPOINTS), *VARIANTS])
         failed = [a for a, ok in per_rank.items() if not ok]
         assert not failed, f"resumed != uninterrupted for {failed}"

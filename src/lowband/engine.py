@@ -184,7 +184,7 @@ class Engine:
         training state changes: parameters, buffers, optimizer, algorithm state (a pipeline in
         flight stays in flight, local SGD's period is not reset) and ``stats``; its
         communication is counted in ``aux_stats``."""
-        model = copy.deepcopy(self.model)      # parameters and buffers only: no grads, no hooks
+        model = _copy_without_hooks(self.model)
         with torch.no_grad(), self._counted_apart():
             values = self.algorithm.global_parameters()
             if values is not None:
@@ -270,3 +270,16 @@ def distribute(
     """
     return Engine(model, optimizer, make_algorithm(algorithm, **algorithm_options), process_group, nonfinite,
                   max_consecutive_skips)
+
+
+def _copy_without_hooks(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` with every module hook dropped: hooks are closures over the
+    algorithm (threads, locks, process groups) that cannot and must not be copied; the copy
+    only needs parameters and buffers."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for attr, value in vars(module).items():
+            if attr.endswith("hooks") and isinstance(value, dict):
+                memo[id(value)] = type(value)()
+    return copy.deepcopy(model, memo)
+
