@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lowband.algorithms import make_algorithm
-from lowband.algorithms.compressed import DEFAULT_WARMUP_STEPS
+from lowband.algorithms.schedule import DEFAULT_COMPRESSION_WARMUP_STEPS as DEFAULT_WARMUP_STEPS
 
 
 @pytest.mark.parametrize("bad", [{"warmup_steps": -1}, {"warmup_steps": 1.5}, {"warmup_steps": True},

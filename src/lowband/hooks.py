@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .algorithms.compressed import DEFAULT_WARMUP_STEPS
+from .algorithms.schedule import DEFAULT_COMPRESSION_WARMUP_STEPS
 from .collectives.communicator import CommStats, Communicator
 from .collectives.compressed import COLLECTIVES
 from .collectives.wire import allreduce_bytes
@@ -82,7 +82,7 @@ class CompressionHookState:
         compressor_options: Optional[dict[str, Any]] = None,
         collective: str = "two-stage",
         error_feedback: bool = True,
-        start_compress_iter: int = DEFAULT_WARMUP_STEPS,
+        start_compress_iter: int = DEFAULT_COMPRESSION_WARMUP_STEPS,
     ) -> None:
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of: {', '.join(COMPRESSORS)}")

@@ -13,10 +13,8 @@ from ..collectives.wire import MIB
 from ..compressors import COMPRESSORS, build_compressor
 from ..pipeline import CompressedReducer, Handle, make_reducer
 from .base import Algorithm, EngineContext
+from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup
 from .buckets import Bucket, BucketSet
-
-#: fp32 all-reduce steps before compression starts (see ``CompressedSGD.warmup_steps``).
-DEFAULT_WARMUP_STEPS = 100
 
 
 def check_compression_knobs(owner: str, compressor: str, options: dict[str, Any], collective: str,
@@ -70,7 +68,7 @@ class CompressedSGD(Algorithm):
     error_feedback: bool = True
     bucket_mb: float = 1.0
     overlap: bool = True
-    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    warmup_steps: int = DEFAULT_COMPRESSION_WARMUP_STEPS
     compress_vectors: bool = False
 
     name: ClassVar[str] = "compressed"
@@ -93,7 +91,7 @@ class CompressedSGD(Algorithm):
 
     def _launch(self, b: Bucket) -> Handle:
         key, segments, present = f"bucket{b.index}", self.segments[b.index], b.flags > 0
-        if b.key == "fp32" or self.steps_done < self.warmup_steps:
+        if b.key == "fp32" or Warmup(self.warmup_steps).active(self.steps_done):
             return self.reducer.start_full_precision(b.grads, key, segments, present=present)
         return self.reducer.start(b.grads, key, segments, present=present)
 

@@ -50,7 +50,7 @@ from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs
 from .local_update import TentativeStep
-from .schedule import Warmup, share_bounds
+from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
 
 LOCAL_UPDATES = ("optimizer", "sgd", "none")
 CORRECTIONS = ("spread", "burst")
@@ -125,7 +125,7 @@ class CPSGD(Algorithm):
     compressor_options: dict[str, Any] = field(default_factory=dict)
     collective: str = "two-stage"
     bucket_mb: float = 1.0
-    warmup_steps: int = 100
+    warmup_steps: int = DEFAULT_COMPRESSION_WARMUP_STEPS
     correction: str = "spread"
     correction_period: Optional[int] = 5
     adapt_period: bool = False

@@ -20,6 +20,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+#: fp32 warm-up steps of every compressing method (``compressed``, ``cpsgd``, the DDP compression
+#: hook): early gradients are large and change fast, where compression error and staleness hurt
+#: most. 100 is ~10% of the 2-epoch ResNet-20 run that reached S-SGD's accuracy within 1 pp only
+#: with it (docs/compression.md). Local SGD and PowerSGD keep their own, shorter warm-ups (their
+#: docstrings say why).
+DEFAULT_COMPRESSION_WARMUP_STEPS = 100
+
+
 def _check_int(owner: str, name: str, value, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
