@@ -13,7 +13,7 @@ from lowband.data import TEXT_WINDOW, ShardedBatches, TextWindows
 from lowband.models import GPT, make_model
 
 from .distributed import run_distributed
-from .training import max_rel_err
+from .training import max_rel_err, train
 
 STEPS = 6
 WINDOW = 16
@@ -42,16 +42,6 @@ def make_optimizer(kind: str, model):
     # shift shared by all keys), so it is rounding noise that Adam with a tiny eps would blow up
     # to full-size, order-dependent updates; lowband is exact, the noise is not
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
-
-
-def train(model, opt, batches, step_fn, forward):
-    it = batches.epoch(0)
-    for _ in range(STEPS):
-        x, y = next(it)
-        opt.zero_grad()
-        tasks.loss(forward(x), y).backward()
-        step_fn()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_default_gpt_is_tied_byte_level_and_sized():
@@ -83,7 +73,7 @@ def _ssgd(rank, world, kind):
     model = small_gpt()
     opt = make_optimizer(kind, model)
     engine = lowband.distribute(model, opt, "ssgd", bucket_mb=0.01)
-    params = train(model, opt, ShardedBatches(text_data(), LOCAL, rank, world, seed=3), engine.step, engine.module)
+    params = train(model, opt, ShardedBatches(text_data(), LOCAL, rank, world, seed=3), engine.step, STEPS, engine.module)
     engine.synchronize()
     assert model.head.weight is model.tok.weight
     return params, engine.stats.bytes_sent
@@ -94,7 +84,7 @@ def test_tied_gpt_under_ssgd_equals_single_process(kind):
     results = run_distributed(_ssgd, 2, kind)
     model = small_gpt()
     opt = make_optimizer(kind, model)
-    reference = train(model, opt, ShardedBatches(text_data(), 2 * LOCAL, 0, 1, seed=3), opt.step, model)
+    reference = train(model, opt, ShardedBatches(text_data(), 2 * LOCAL, 0, 1, seed=3), opt.step, STEPS, model)
     start = {n: p.detach().clone() for n, p in small_gpt().named_parameters()}
     assert max_rel_err(reference, start) > 1e-3                          # it trained
     for params, sent in results:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
+from lowband import tasks
 from lowband.data import ShardedBatches, make_synthetic
 
 LOCAL_BATCH = 8
@@ -43,13 +44,14 @@ def batches(rank: int, world: int, local_batch: int = LOCAL_BATCH) -> ShardedBat
 
 def train(model: nn.Module, optimizer, batches: ShardedBatches, step_fn: Callable[[], None], steps: int,
           forward: Optional[Callable] = None) -> dict[str, torch.Tensor]:
-    """``steps`` iterations of cross-entropy training; returns the parameters."""
+    """``steps`` iterations of cross-entropy training (``lowband.tasks.loss``: classes or a
+    language model's bytes); returns the parameters."""
     forward = forward or model
     it = batches.epoch(0)
     for _ in range(steps):
         x, y = next(it)
         optimizer.zero_grad()
-        F.cross_entropy(forward(x), y).backward()
+        tasks.loss(forward(x), y).backward()
         step_fn()
     return params_of(model)
 
