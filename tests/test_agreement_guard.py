@@ -129,3 +129,49 @@ def test_nonfinite_skip_equals_a_run_without_that_step(nan_results):
         for name, p in ref["params"].items():
             assert torch.equal(r["params"][name], p), name           # bit-exact
             assert torch.equal(r["params"][name], first[name]), name  # ranks identical
+
+
+PIPE_WARMUP = 2       # cpsgd's warm-up: steps 1-2 synchronous, then pipelined (deferred check)
+
+
+def _pipelined_nan_run(rank: int, world: int, bad_step: int, steps: int):
+    """cpsgd past its warm-up with rank BAD_RANK's gradient NaN at ``bad_step``: the deferred
+    finiteness decision must still stop every rank, naming that step, before its average
+    touches the global weights W."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = lowband.distribute(model, opt, "cpsgd", warmup_steps=PIPE_WARMUP, bucket_mb=0.01)
+    it = ShardedBatches(make_synthetic(512, seed=1), BATCH, rank, world, seed=3).epoch(0)
+    deferred = []
+    try:
+        for step in range(1, steps + 1):
+            x, y = next(it)
+            opt.zero_grad()
+            loss = F.cross_entropy(engine.module(x), y)
+            if step == bad_step and rank == BAD_RANK:
+                loss = loss + float("nan") * model[3].bias.sum()
+            loss.backward()
+            engine.step()
+            deferred.append(engine.guard.pending)
+        engine.synchronize()
+    except lowband.NonFiniteGradientError as e:
+        W = engine.algorithm.W
+        return {"step": e.step, "bad": e.bad, "raised_at": len(deferred) + 1, "deferred": deferred,
+                "global_finite": all(bool(torch.isfinite(w).all()) for w in W)}
+    return {"no error": True}
+
+
+def _pipelined_nan_runs(rank: int, world: int) -> dict:
+    return {"middle": _pipelined_nan_run(rank, world, bad_step=5, steps=8),
+            "last": _pipelined_nan_run(rank, world, bad_step=8, steps=8)}
+
+
+def test_nonfinite_raise_under_a_pipeline_is_decided_one_step_late_on_every_rank():
+    for n in run_distributed(_pipelined_nan_runs, 2):
+        middle, last = n["middle"], n["last"]
+        assert middle["step"] == 5 and middle["bad"] == {BAD_RANK: "3.bias"}
+        assert middle["raised_at"] == 6                   # at the next engine.step()
+        assert middle["deferred"] == [False, False, True, True, True]   # warm-up steps decide at once
+        assert middle["global_finite"]                     # W never received the NaN average
+        assert last["step"] == 8 and last["raised_at"] == 9   # the last step: at synchronize()
+        assert last["global_finite"]

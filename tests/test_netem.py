@@ -64,7 +64,7 @@ def test_parse_rate_rejects(text: str) -> None:
 
 
 def test_auto_burst() -> None:
-    assert netem.auto_burst(None) == netem.auto_burst(10**6) == "65536b"  # floor: one GSO segment
+    assert netem.auto_burst(None) == netem.auto_burst(10**6) == "98304b"  # floor: one GSO packet + headers
     assert netem.auto_burst(10**9) == "250000b"  # 2 ms at 1gbit
     assert EmulatedCluster(2, 10**9).burst == "250000b"
     assert EmulatedCluster(2, 10**9, burst="1mb").burst == "1mb"

@@ -29,3 +29,16 @@ def test_update_doc_replaces_only_its_section(tmp_path):
     assert "hand-written intro" in text and "other table" in text and "second table" in text
     assert "first table" not in text
     assert text.count("<!-- lowband-peers:begin -->") == 1
+
+
+def test_bench_repeats_report_the_run_with_the_median_step_time():
+    from lowband.cli import median_runs
+    rows = [{"bandwidth": "none", "workers": 2, "algorithm": a, "median_step_ms": ms, "repeat": r}
+            for r, (a, ms) in enumerate([("noop", 30.0), ("ssgd", 50.0), ("noop", 40.0), ("ssgd", 45.0),
+                                         ("noop", 35.0), ("ssgd", 60.0)], 1)]
+    merged = {m["algorithm"]: m for m in median_runs(rows)}
+    assert merged["noop"]["median_step_ms"] == 35.0 and merged["noop"]["repeat"] == 5
+    assert merged["noop"]["median_step_ms_repeats"] == [30.0, 40.0, 35.0]
+    assert merged["ssgd"]["median_step_ms"] == 50.0 and merged["ssgd"]["repeat"] == 2
+    two = median_runs(rows[:4])          # even count: the lower middle run
+    assert {m["algorithm"]: m["median_step_ms"] for m in two} == {"noop": 30.0, "ssgd": 45.0}

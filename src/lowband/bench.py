@@ -36,6 +36,8 @@ class RunResult:
             "median_step_ms": 1e3 * self.median("step_s"),
             "median_compute_ms": 1e3 * self.median("compute_s"),
             "median_comm_wait_ms": 1e3 * self.median("comm_wait_s"),
+            "median_cpu_ms": 1e3 * self.median("cpu_s"),
+            "median_thread_cpu_ms": 1e3 * self.median("thread_cpu_s"),
             "median_bytes_sent": self.median("bytes_sent"),
             **lazy_stats(self.steps),
             **extra,

@@ -211,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="if network emulation is unavailable, run over loopback instead of failing")
     b.add_argument("--doc", default=None, help="also update a generated section of this markdown file")
     b.add_argument("--section", default="bench", help="name of that section (default: %(default)s)")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="run the whole list this many times, round-robin, and report for each configuration "
+                        "the run with the median step time (this machine's step times drift by 10-20%% "
+                        "between runs minutes apart; interleaved repeats cancel the drift; default: %(default)s)")
     add_run_arguments(b)
     b.set_defaults(max_steps=100)
 
@@ -357,6 +361,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not algorithms:
         raise UsageError(f"--algorithms needs at least one algorithm name, got {args.algorithms!r}")
     workers = _int_list(args.workers, "--workers")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be an integer >= 1, got {args.repeat}")
     check_output_dir(args.out, "--out")
     links = parse_bandwidths(args.bandwidth, fallback=args.fallback_loopback, workers=workers)
     configs = []
@@ -369,12 +375,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     if (label, w) == (links[0][0], workers[0]):
                         print(f"lowband: skipping {spec}: {reason}", file=sys.stderr)
                     continue
-                run_dir = os.path.join(args.out, "runs", f"{label}-{w}w-{spec.replace(':', '-')}")
-                cfg = config_from_args(args, name, w, run_dir)
-                if own:
-                    cfg.algorithm_options.update(dict(_parse_option(o) for o in own))
-                    check_config(cfg)
-                configs.append((label, rate, cfg, spec))
+                for r in range(args.repeat):
+                    run_dir = os.path.join(args.out, "runs", f"{label}-{w}w-{spec.replace(':', '-')}"
+                                           + (f"-r{r + 1}" if args.repeat > 1 else ""))
+                    cfg = config_from_args(args, name, w, run_dir)
+                    if own:
+                        cfg.algorithm_options.update(dict(_parse_option(o) for o in own))
+                        check_config(cfg)
+                    configs.append((r, label, rate, cfg, spec))
+    configs.sort(key=lambda c: c[0])      # round-robin: every configuration once per round
     os.makedirs(args.out, exist_ok=True)
     rows = []
     command = "lowband " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowband") else \
@@ -382,18 +391,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = {"command": command, "machine": f"{platform.node()}, {os.cpu_count()} cores",
                "link": "tc tbf on both ends of each worker's veth" if any(r for _, r in links) else "loopback",
                "rows": rows}
-    for i, (label, rate, cfg, spec) in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label}", file=sys.stderr, flush=True)
+    for i, (r, label, rate, cfg, spec) in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label}"
+              + (f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
         try:
             row = run_on_link(cfg, rate)
         except RunFailed as e:
             print(f"lowband: error: {e}", file=sys.stderr)
             return e.result.returncode
         epochs = read_jsonl(os.path.join(cfg.run_dir, "epochs.jsonl"))
-        row.update(bandwidth=label, rate_bits=rate, algorithm=spec,
+        row.update(bandwidth=label, rate_bits=rate, algorithm=spec, repeat=r + 1,
                    curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs], evals=eval_points(epochs))
         rows.append(row)
         write_json_atomic(os.path.join(args.out, RESULTS_FILE), results)
+    if args.repeat > 1:
+        results["all_runs"] = list(rows)
+        rows[:] = median_runs(rows)
+        write_json_atomic(os.path.join(args.out, RESULTS_FILE), results)
+        for row in rows:
+            print(f"{row['algorithm']} x{row['workers']} over {row['bandwidth']}: median step ms of the "
+                  f"{args.repeat} runs " + ", ".join(f"{x:.1f}" for x in row["median_step_ms_repeats"])
+                  + f" (reported: run {row['repeat']})", file=sys.stderr)
     print(target_table(derive(rows)))
     print("\n".join(target_summary(derive(rows))))
     print(markdown_table(derive(rows)))
@@ -403,6 +421,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         update_doc(args.doc, render_section(results, os.path.join(args.out, RESULTS_FILE), args.out, args.doc,
                                             args.section), args.section)
     return 0
+
+
+def median_runs(rows: list[dict]) -> list[dict]:
+    """One row per (bandwidth, workers, algorithm): the repeat whose median step time is the
+    median of the repeats (the lower one for an even count), so every reported field comes
+    from one real run; ``median_step_ms_repeats`` keeps all of them, in round order."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["bandwidth"], row["workers"], row["algorithm"]), []).append(row)
+    merged = []
+    for runs in groups.values():
+        ranked = sorted(runs, key=lambda x: x["median_step_ms"])
+        chosen = dict(ranked[(len(ranked) - 1) // 2])
+        chosen["median_step_ms_repeats"] = [x["median_step_ms"] for x in runs]
+        merged.append(chosen)
+    return merged
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ gradient-ready hooks, byte/time statistics, buffer consistency and checkpointabl
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -139,10 +140,18 @@ class Engine:
         the step was skipped on every rank for a non-finite gradient (``nonfinite="skip"``);
         callers then leave their LR scheduler alone, as if the step had not happened."""
         if self.guard.active:
-            if not self.guard.check(self.comm.stats.steps + 1):
-                self.comm.stats.steps += 1
-                self.comm.stats.skipped_steps += 1
-                return False
+            t0 = time.perf_counter()
+            step = self.comm.stats.steps + 1
+            try:
+                self.guard.settle()     # a deferred decision about the previous step
+                if self.guard.policy == "raise" and self.algorithm.gradients_applied_late():
+                    self.guard.start(step)
+                elif not self.guard.check(step):
+                    self.comm.stats.steps += 1
+                    self.comm.stats.skipped_steps += 1
+                    return False
+            finally:
+                self.comm.stats.comm_wait_s += time.perf_counter() - t0
             self.guard.replay(self._forward)
         self.algorithm.step()
         self.comm.stats.steps += 1
@@ -157,6 +166,7 @@ class Engine:
         exact state. Buffers are averaged here rather than every step: in training mode
         BatchNorm normalises with batch statistics, so the running averages only matter when
         the model is evaluated or saved."""
+        self._settle_guard()
         self.algorithm.drain()
         floats = [b for b in self.model.buffers() if b.is_floating_point()]
         if floats and self.comm.world_size > 1:
@@ -184,6 +194,7 @@ class Engine:
         training state changes: parameters, buffers, optimizer, algorithm state (a pipeline in
         flight stays in flight, local SGD's period is not reset) and ``stats``; its
         communication is counted in ``aux_stats``."""
+        self._settle_guard()
         model = _copy_without_hooks(self.model)
         with torch.no_grad(), self._counted_apart():
             values = self.algorithm.global_parameters()
@@ -203,6 +214,7 @@ class Engine:
         hold bit-identical replicated state (``Algorithm.replicated_state()``: the global
         weights and, where the algorithm replicates it, the optimizer state), naming the first
         differing parameter. Collective; costs one all-reduce of 4 int64 per parameter."""
+        self._settle_guard()
         values, optimizer_replicated = self.algorithm.replicated_state()
         slots = []
         for i, (name, p) in enumerate(zip(self.names, self.params)):
@@ -217,7 +229,9 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """This rank's engine state: algorithm state (residuals, pipeline, counters), the
         guard's run of skipped steps and statistics. The model, optimizer and scheduler are
-        saved by their own state_dicts."""
+        saved by their own state_dicts. A deferred finiteness decision is settled first, so a
+        checkpoint never holds a step some rank found non-finite."""
+        self._settle_guard()
         return {
             "version": STATE_VERSION,
             "algorithm_config": self.algorithm.config(),
@@ -235,6 +249,15 @@ class Engine:
         self.algorithm.load_state_dict(state["algorithm"])
         self.guard.consecutive_skips = int(state["consecutive_skips"])
         self.comm.stats.load(state["stats"])
+
+    def _settle_guard(self) -> None:
+        """Finish a deferred finiteness decision (raises on every rank for a bad step)."""
+        if self.guard.pending:
+            t0 = time.perf_counter()
+            try:
+                self.guard.settle()
+            finally:
+                self.comm.stats.comm_wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
         for h in self._hooks:

@@ -23,6 +23,15 @@ parameter index (one int64 per rank, in one tiny MAX all-reduce) and take the sa
   diverged; skipping on would end with exit 0 and a meaningless model).
 * ``"off"``: no check, no extra collective.
 
+Under ``"raise"``, an algorithm whose step reaches the global model only at the next
+``step()`` (CP-SGD's pipeline after its warm-up, ``noop``'s unshared replicas; see
+``Algorithm.gradients_applied_late``) gets a deferred decision: the exchange starts at
+``engine.step()`` and is finished at the next one (or at ``synchronize``, ``state_dict``,
+``global_model``, ``check_replicas``), still before that step's average touches the global
+weights. Waiting at once would queue the exchange behind the step's gradient bytes on a slow
+link and make the pipeline synchronous again (measured: docs/reliability.md). The time spent
+waiting for an exchange is exposed communication and counted as such in ``comm_wait_s``.
+
 The exchange runs on a dedicated process group: under ``"raise"`` the algorithm's own
 collectives may still be in flight, and their number per rank can differ at this point
 (a bucket with a rank-specific unused parameter launches only in ``algorithm.step()``), so
@@ -122,6 +131,7 @@ class GradientGuard:
         self._finite: list[tuple[int, torch.Tensor]] = []
         self._ready: list[int] = []
         self.comm: Optional[Communicator] = None
+        self._pending = None   # (step, tensor, work) of a deferred decision (start/settle)
         if policy != "off" and dist.get_world_size(group) > 1:
             # every rank creates it in the same order (inside distribute), as new_group requires
             ranks = dist.get_process_group_ranks(group) if group is not None else None
@@ -151,17 +161,57 @@ class GradientGuard:
 
     def check(self, step: int) -> bool:
         """Agree on this step; True if it may be applied. Raises or clears gradients otherwise."""
+        self._refuse_if_failed()
+        everyone = self._exchange(step, async_op=False)[1]
+        return self._decide(step, everyone)
+
+    def start(self, step: int) -> None:
+        """Begin this step's exchange without waiting for it (policy "raise" only): for an
+        algorithm whose step applies its averaged gradient to the global model only at the
+        next ``step()`` (a pipeline, :meth:`Algorithm.gradients_applied_late`), the decision
+        can wait until then, and waiting now would queue this tiny all-reduce behind the
+        step's gradient bytes on the link, turning the pipeline back into a synchronous
+        step. :meth:`settle` finishes it, before anything depends on the step."""
+        if self.policy != "raise":
+            raise RuntimeError(f"a deferred finiteness decision needs policy 'raise', not {self.policy!r}")
+        self._refuse_if_failed()
+        self.settle()
+        self._pending = self._exchange(step, async_op=True)
+
+    def settle(self) -> None:
+        """Finish the exchange :meth:`start` began (no-op if none): raise on every rank if
+        some rank's gradient of that step was non-finite."""
+        if self._pending is None:
+            return
+        step, everyone, work = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        self._decide(step, everyone)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def _refuse_if_failed(self) -> None:
         if self.failed is not None:
             raise RuntimeError("the engine stopped after a non-finite gradient and cannot continue") from self.failed
-        # slot r holds rank r's first bad index; a MAX all-reduce of these few int64 fills
-        # every slot on every rank (cheaper to set up than an all-gather, same bytes)
+
+    def _exchange(self, step: int, async_op: bool):
+        """(step, tensor, work): slot r of the tensor holds rank r's first bad index; a MAX
+        all-reduce of these few int64 fills every slot on every rank (cheaper to set up than
+        an all-gather, same bytes)."""
         world = 1 if self.comm is None else self.comm.world_size
         rank = 0 if self.comm is None else self.comm.rank
         everyone = torch.full((world,), ALL_FINITE, dtype=torch.int64)
         everyone[rank] = self._first_bad()
         self._finite.clear()
+        work = None
         if self.comm is not None:
-            self.comm.all_reduce(everyone, op=dist.ReduceOp.MAX)
+            work = self.comm.all_reduce(everyone, op=dist.ReduceOp.MAX, async_op=async_op)
+        return step, everyone, work
+
+    def _decide(self, step: int, everyone: torch.Tensor) -> bool:
         bad = {r: self.names[int(i)] for r, i in enumerate(everyone.tolist()) if i != ALL_FINITE}
         if not bad:
             self.consecutive_skips = 0

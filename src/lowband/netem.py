@@ -72,9 +72,14 @@ CMD_TIMEOUT_S = 30.0
 #: spurious SACK recovery (measured: 0.70 of 1gbit for gloo).  2 ms keeps throughput at
 #: ~0.95 of rate while letting at most 2 ms worth of data pass at line speed.
 AUTO_BURST_S = 0.002
-#: Lower bound of the automatic burst (the value tc's docs and MACHINE-FACTS use): a
-#: bucket much smaller than a 64 KB GSO packet makes tbf software-segment everything.
-MIN_BURST_BYTES = 64 * 1024
+#: Lower bound of the automatic burst. tbf software-segments every packet longer than its
+#: bucket, and a full 64 KB GSO packet plus headers is longer than 64 KB: with a 64 KB floor
+#: (the value tc's docs and MACHINE-FACTS use) each 1.7 MB all-reduce at 200mbit was cut
+#: into MTU-sized packets that crossed veth, bridge and TCP one by one, on the workers' own
+#: cores: ssgd burnt 77-80 ms of CPU per step against 53 over loopback (cnn, 2 workers).
+#: 96 KB holds one GSO packet with room for headers: 57 ms, the same link rate
+#: (docs/netem.md). At >= 400mbit the 2 ms rule already gives more.
+MIN_BURST_BYTES = 96 * 1024
 #: Grace period between SIGTERM and SIGKILL for processes left in a worker namespace.
 STRAGGLER_GRACE_S = 2.0
 

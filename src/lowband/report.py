@@ -26,6 +26,7 @@ COLUMNS = [
     ("mean step ms", "step_ms", "{:.1f}"),
     ("compute ms", "median_compute_ms", "{:.1f}"),
     ("comm wait ms", "median_comm_wait_ms", "{:.1f}"),
+    ("CPU ms (all threads)", "median_cpu_ms", "{:.1f}"),
     ("step / noop", "step_over_noop", "{:.2f}"),
     ("samples/s", "throughput", "{:.0f}"),
     ("MB sent/step", "mb_sent_per_step", "{:.3f}"),

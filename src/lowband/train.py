@@ -171,14 +171,14 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         first = start_in_epoch if epoch == start_epoch else 0
         for in_epoch, (x, y) in enumerate(batches.epoch(epoch, first), start=first):
             before = engine.stats.snapshot()
-            t0 = time.perf_counter()
+            t0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
             optimizer.zero_grad(set_to_none=True)
             loss = tasks.loss(engine.module(x), y)
             loss.backward()
             applied = engine.step()
             if applied and scheduler is not None:
                 scheduler.step()
-            t1 = time.perf_counter()
+            t1, cpu1, thread1 = time.perf_counter(), time.process_time(), time.thread_time()
             after = engine.stats
             wait = after.comm_wait_s - before["comm_wait_s"]
             step_s = t1 - t0
@@ -192,6 +192,9 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             writer.step({
                 "step": step, "epoch": epoch, "loss": loss_value, "step_s": step_s,
                 "compute_s": step_s - wait, "comm_wait_s": wait,
+                # CPU this process burnt during the step (all threads: codecs, gloo, kernel
+                # time of its sockets) and the training thread's share of it
+                "cpu_s": cpu1 - cpu0, "thread_cpu_s": thread1 - thread0,
                 "bytes_sent": after.bytes_sent - before["bytes_sent"],
                 "bytes_received": after.bytes_received - before["bytes_received"],
                 "lr": optimizer.param_groups[0]["lr"], "skipped": not applied,

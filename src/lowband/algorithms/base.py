@@ -87,6 +87,13 @@ class Algorithm(ABC):
     def drain(self) -> None:
         """Finish all in-flight work so the model holds the global weights."""
 
+    def gradients_applied_late(self) -> bool:
+        """True if the coming ``step()`` applies this iteration's gradients to the global
+        model only at the next ``step()`` (a depth-1 pipeline), so the engine's finiteness
+        check may be decided then, overlapping with the next iteration (:mod:`lowband.guard`).
+        Asked once per iteration, before ``step()``."""
+        return False
+
     def global_parameters(self) -> "Optional[list[torch.Tensor]]":
         """The global model's parameter values, aligned with ``ctx.params``, for evaluating or
         checking the global model without changing training state (callers must not modify

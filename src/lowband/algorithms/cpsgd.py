@@ -222,6 +222,10 @@ class CPSGD(Algorithm):
         lo, hi = share_bounds(b.numel, self.period, j)
         return (lo, hi) if hi > lo else None
 
+    def gradients_applied_late(self) -> bool:
+        """After the warm-up, step t's average reaches W only at step t + 1."""
+        return not self.in_warmup(self.t)
+
     # -- iteration ----------------------------------------------------------------------
     def _launch(self, b: Bucket):
         key, segs, t = f"bucket{b.index}", self.segments[b.index], self.t

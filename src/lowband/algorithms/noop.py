@@ -29,6 +29,12 @@ class NoComm(Algorithm):
     def step(self) -> None:
         self.ctx.optimizer.step()
 
+    def gradients_applied_late(self) -> bool:
+        """The ranks' replicas never meet, so no rank's NaN can poison another's: the
+        engine's finiteness check is decided one step late, and the compute-only reference
+        pays no per-step barrier (a NaN still stops every rank, one step later)."""
+        return True
+
     def drain(self) -> None:
         with torch.no_grad():
             flat = flatten([p.data for p in self.ctx.params])

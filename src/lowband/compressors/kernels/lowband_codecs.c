@@ -172,13 +172,10 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
     float v = nf > 0 ? sa / (float)nf : t;
     float *ep = e ? e + src + b0 : NULL;
     float *res = (simple && e) ? ep : tmp;
-    for (int64_t j = 0; j < L; ++j) {
+    for (int64_t j = 0; j < L; ++j) {      /* residual and code in one pass */
         float r = rv[j];
         int32_t p = r >= t, n = r <= mt;
         res[j] = r - (float)(p - n) * v;
-    }
-    for (int64_t j = 0; j < L; ++j) {
-        uint8_t p = rv[j] >= t, n = rv[j] <= mt;
         codes[j] = (uint8_t)(p * 3 + n * 2);
     }
     if (e && !simple) {
