@@ -1,4 +1,5 @@
-"""Parameters used on some ranks only, and the compressed algorithms on a sub-group (gloo).
+"""Parameters used on some ranks only (every algorithm but the torchft peers, whose
+lighthouse makes a run too slow for this), and the compressed algorithms on a sub-group (gloo).
 
 A parameter that only rank 0 uses makes the ranks' gradient sets differ: every collective
 must still be issued in the same order with the same sizes on every rank (warm-up included),
@@ -23,7 +24,16 @@ STEPS = 6          # warm-up (2) plus compressed steps
 CASES = [("compressed", {"warmup_steps": 2, "collective": "two-stage"}),
          ("compressed", {"warmup_steps": 2, "collective": "allgather", "compressor": "1bit"}),
          ("compressed", {"warmup_steps": 2, "compress_vectors": True}),
-         ("ssgd", {})]
+         ("ssgd", {}),
+         # every other algorithm, each past its own warm-up within STEPS
+         ("cpsgd", {"warmup_steps": 2}),
+         ("cpsgd", {"warmup_steps": 2, "correction": "burst", "correction_period": 2, "bucket_mb": 0.01}),
+         ("lazy", {}),
+         ("localsgd", {"warmup_steps": 2, "period": 2}),
+         ("ddp", {"find_unused_parameters": True}),      # PyTorch's requirement for such models
+         ("ddp-fp16", {"find_unused_parameters": True}),
+         ("ddp-powersgd", {"start_powerSGD_iter": 2, "find_unused_parameters": True}),
+         ("noop", {})]
 
 
 class UnevenNet(SmallNet):

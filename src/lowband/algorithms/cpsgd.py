@@ -97,14 +97,23 @@ class PeriodController:
 class CPSGD(Algorithm):
     """Knobs (defaults chosen by the measurements in docs/cpsgd.md):
 
-        compressor, compressor_options, collective, bucket_mb: as for ``compressed``; the
-            default is the 2-bit codec on the two-stage collective.
+        compressor, compressor_options, collective: as for ``compressed``; the default is
+            the 2-bit codec on the two-stage collective.
+        bucket_mb: bucket size. 64 (one bucket for most models), not ``compressed``'s 1:
+            the pipeline hides communication behind the next iteration, not behind
+            backward, so small buckets buy no overlap and each costs a fixed ~1 ms of CPU
+            per step (two gloo collectives, a codec call, the glue) that a 1-core worker
+            cannot hide: measured in docs/cpsgd.md. (The fp32 warm-up then overlaps nothing
+            with backward either.)
         warmup_steps: plain synchronous full-precision SGD for this many steps first (the
             paper's code: 1000 iterations). Early gradients are large and change fast, which
             is where both staleness and quantization hurt most.
         correction: ``"spread"`` (a rotating 1/k share of every bucket exact each step) or
             ``"burst"`` (the whole gradient exact every k-th step, the paper's).
-        correction_period: k; ``None`` never corrects; 1 never compresses.
+        correction_period: k; ``None`` never corrects; 1 never compresses. 20, not the
+            paper's 5: the spread sends 1/k of the elements in fp32 every step, 0.44 bytes per
+            element at k = 20 against 1.0 at k = 5 (2-bit alone: 0.25), which is what decides
+            whether the bytes fit behind one compute step at 50-200 Mbit/s (docs/cpsgd.md).
         adapt_period: let k follow :class:`PeriodController` (starting at
             ``correction_period``, within ``[min_period, max_period]``).
         min_period, max_period: bounds of the adaptive k.
@@ -124,10 +133,10 @@ class CPSGD(Algorithm):
     compressor: str = "2bit"
     compressor_options: dict[str, Any] = field(default_factory=dict)
     collective: str = "two-stage"
-    bucket_mb: float = 1.0
+    bucket_mb: float = 64.0
     warmup_steps: int = DEFAULT_COMPRESSION_WARMUP_STEPS
     correction: str = "spread"
-    correction_period: Optional[int] = 5
+    correction_period: Optional[int] = 20
     adapt_period: bool = False
     min_period: int = 2
     max_period: int = 32

@@ -52,10 +52,15 @@ class DDP(Algorithm):
             (BatchNorm statistics) before every forward (DDP's ``broadcast_buffers``, renamed
             ``forward_sync_buffers`` in torch 2.13). lowband performs that broadcast
             through its Communicator (a DDP buffer hook) so those bytes are counted too.
+        find_unused_parameters: DDP's knob of that name (default False, as PyTorch's: the
+            search walks the autograd graph every step). A model with parameters that some
+            rank does not use in a step needs True; without it DDP itself stops with its
+            "Expected to have finished reduction" error.
     """
 
     bucket_cap_mb: float = DDP_DEFAULT_BUCKET_CAP_MB
     broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
 
     name: ClassVar[str] = "ddp"
     uses_gradient_hooks: ClassVar[bool] = False
@@ -63,8 +68,9 @@ class DDP(Algorithm):
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"{self.name}: bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-        if not isinstance(self.broadcast_buffers, bool):
-            raise ValueError(f"{self.name}: broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")
+        for knob in ("broadcast_buffers", "find_unused_parameters"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
 
     # -- setup ---------------------------------------------------------------------------
     def bind(self, ctx: EngineContext) -> None:
@@ -78,7 +84,8 @@ class DDP(Algorithm):
         # DDP's own buffer broadcast is replaced by a counted one (see _broadcast_buffers).
         self.ddp = DistributedDataParallel(
             model, process_group=self.ctx.comm.group, bucket_cap_mb=self.bucket_cap_mb,
-            forward_sync_buffers=self.broadcast_buffers, init_sync=False)
+            forward_sync_buffers=self.broadcast_buffers, init_sync=False,
+            find_unused_parameters=self.find_unused_parameters)
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             from torch.nn.parallel.distributed import _BufferCommHookLocation
             self.ddp._register_buffer_comm_hook(self, DDP._broadcast_buffers, _BufferCommHookLocation.PRE_FORWARD)

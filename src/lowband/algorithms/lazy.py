@@ -217,11 +217,23 @@ class LazyUpdate(Algorithm):
             self._recorder = None
 
     def _fix_plan(self) -> None:
-        """After step 1's forward: agree on the recorded order (every rank raises the same
-        ConfigMismatchError if they differ) and fix the lazy set."""
+        """After step 1's forward: agree on the recorded order and fix the lazy set.
+
+        A module that runs on some ranks only (a rank-specific head) is legitimate: it goes
+        after every module all ranks ran (so it is on the output side, regular). The modules
+        every rank ran must have run in the same order; otherwise every rank raises the same
+        ConfigMismatchError (data-dependent control flow would give each rank another plan)."""
         order = self._recorder.order if self._recorder is not None else []
-        check_agreement({ORDER_FIELD: order}, self.ctx.comm.group)
-        self._set_plan(LazyPlan.build(self.ctx.model, self.ctx.params, order, self.lazy_layers))
+        group = self.ctx.comm.group
+        orders = [order]
+        if self.ctx.world_size > 1:
+            orders = [None] * self.ctx.world_size
+            dist.all_gather_object(orders, order, group=group)
+        everywhere = set(orders[0]).intersection(*orders[1:])
+        common = [n for n in order if n in everywhere]
+        check_agreement({ORDER_FIELD: common}, group)
+        somewhere = sorted({n for o in orders for n in o} - everywhere)
+        self._set_plan(LazyPlan.build(self.ctx.model, self.ctx.params, common + somewhere, self.lazy_layers))
 
     # -- per iteration -------------------------------------------------------------------------
     def _launch(self, b: Bucket):
