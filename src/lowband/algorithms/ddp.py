@@ -208,6 +208,10 @@ class DDPPowerSGD(DDP):
         for knob in ("use_error_feedback", "warm_start"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"ddp-powersgd: {knob} must be True or False, got {getattr(self, knob)!r}")
+        if self.find_unused_parameters:
+            raise ValueError("ddp-powersgd: find_unused_parameters=True is not supported: with it, PyTorch's "
+                             "powerSGD_hook aborts gloo ('Received data size doesn't match') at its first "
+                             "compressed step, with plain DDP too (docs/peers.md); use ddp or ddp-fp16")
 
     def bind(self, ctx: EngineContext) -> None:
         super().bind(ctx)
