@@ -1,6 +1,9 @@
 """Checkpoint and resume through ``lowband train``: a crash halfway through writing a
 checkpoint leaves the previous one intact and loadable, and a run resumed from it ends with
-bit-identical state to one that never stopped, for every algorithm."""
+bit-identical state to one that never stopped, for every algorithm. The compressing
+algorithms run past their warm-up (``PAST_WARMUP``) before the first checkpoint: compressed
+SGD resumes with residuals from the background queue, CP-SGD with a step in flight (W, the
+in-flight average, residuals, the correction schedule)."""
 from __future__ import annotations
 
 import glob
@@ -14,11 +17,12 @@ from lowband import checkpoint
 from lowband.cli import main as cli_main
 from lowband.metrics import read_jsonl
 
-from .cli_runs import CLI_ALGORITHMS, SMALL, train
+from .cli_runs import CLI_ALGORITHMS, PAST_WARMUP, SMALL, train
 
 TOTAL = 12          # steps of every run
 EVERY = 4           # --checkpoint-every
 STOP_AT = 8         # the interrupted run dies while writing this checkpoint
+WARMUP = 3          # PAST_WARMUP's warm-up: checkpoints at 4, 8, 12 all fall in the pipelined phase
 # cosine LR (scheduler state) and momentum (optimizer state) make a sloppy resume visible
 FLAGS = [*SMALL, "--max-steps", str(TOTAL), "--checkpoint-every", str(EVERY), "--lr-schedule", "cosine",
          "--timeout", "20"]
@@ -50,6 +54,10 @@ def final_states(run_dir: str) -> list[dict]:
 TRAJECTORY = ("model", "optimizer", "scheduler", "engine", "rng", "epoch", "step_in_epoch")
 
 
+def flags(algorithm: str) -> list[str]:
+    return [*FLAGS, "--algorithm", algorithm, *PAST_WARMUP.get(algorithm, [])]
+
+
 def assert_same_trajectory(run_dir: str, reference_dir: str) -> None:
     for got, want in zip(final_states(run_dir), final_states(reference_dir)):
         for key in TRAJECTORY:
@@ -68,7 +76,7 @@ def reference(tmp_path_factory) -> dict[str, str]:
     def get(algorithm: str) -> str:
         if algorithm not in runs:
             run_dir = str(tmp_path_factory.mktemp(f"reference-{algorithm}"))
-            done = train([*FLAGS, "--algorithm", algorithm, "--run-dir", run_dir])
+            done = train([*flags(algorithm), "--run-dir", run_dir])
             assert done.returncode == 0, done.stderr
             runs[algorithm] = run_dir
         return runs[algorithm]
@@ -80,7 +88,7 @@ def test_crash_mid_checkpoint_then_resume_equals_uninterrupted_run(tmp_path, ref
     """Rank 1 is SIGKILLed halfway through writing its checkpoint of step STOP_AT: the
     previous checkpoint survives, and resuming from it reproduces the uninterrupted run."""
     run_dir = str(tmp_path / "run")
-    crashed = train([*FLAGS, "--algorithm", algorithm, "--run-dir", run_dir],
+    crashed = train([*flags(algorithm), "--run-dir", run_dir],
                     LOWBAND_FAULT=f"checkpoint-write@{STOP_AT}", LOWBAND_FAULT_RANK="1")
     assert crashed.returncode != 0
     assert "lowband: error: worker rank 1 was killed by signal SIGKILL (first to fail)" in crashed.stderr, crashed.stderr
@@ -96,9 +104,17 @@ def test_crash_mid_checkpoint_then_resume_equals_uninterrupted_run(tmp_path, ref
         path = os.path.join(run_dir, checkpoint.DIRNAME, manifest["dir"], checkpoint.rank_file(r))
         state = torch.load(path, weights_only=True)
         assert state["step"] == STOP_AT - EVERY and "model" in state
-    resumed = train([*FLAGS, "--algorithm", algorithm, "--resume", run_dir])
+    algo_state = state["engine"]["algorithm"]
+    if algorithm == "cpsgd":     # the checkpoint really holds a step in flight
+        assert algo_state["pipelining"] and "in_flight" in algo_state and "global_weights" in algo_state
+    elif algorithm == "compressed":
+        assert algo_state["steps_done"] == STOP_AT - EVERY > WARMUP
+    resumed = train([*flags(algorithm), "--resume", run_dir])
     assert resumed.returncode == 0, resumed.stderr
     assert_same_trajectory(run_dir, reference(algorithm))
+    if algorithm == "cpsgd":     # the correction schedule continued where it stopped: 0, 1, 2, 0, ...
+        phases = [r["correction_phase"] for r in read_jsonl(os.path.join(run_dir, "steps.jsonl"))]
+        assert phases == [None] * WARMUP + [(t - WARMUP) % 3 for t in range(WARMUP, TOTAL)]
     # superseded and half-written checkpoint directories are pruned (keep 2)
     kept = sorted(os.listdir(os.path.join(run_dir, checkpoint.DIRNAME)))
     assert kept == sorted([os.path.basename(checkpoint.step_dir(run_dir, s)) for s in (TOTAL - EVERY, TOTAL)] + [checkpoint.MANIFEST])
