@@ -12,8 +12,8 @@ PYTEST_ARGS ?=
 
 venv: $(BIN)/.installed
 
-# the native codec kernels are built by this install too (setup.py), so their source is a prerequisite
-$(BIN)/.installed: pyproject.toml setup.py src/lowband/compressors/kernels/lowband_codecs.c
+# the native kernels are built by this install too (setup.py), so their source is a prerequisite
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard src/lowband/compressors/kernels/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,peers]'

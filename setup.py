@@ -1,4 +1,5 @@
-"""Build of lowband's one native piece: the fused codec kernels (plain C, loaded with ctypes).
+"""Build of lowband's one native piece: the fused codec kernels and CP-SGD's fused SGD step
+(plain C, one library loaded with ctypes).
 
 The library has no Python or torch headers in it, so pip's isolated build needs nothing but a
 C compiler. ``optional=True``: without a compiler the install still succeeds and lowband uses
@@ -9,7 +10,8 @@ setup(
     ext_modules=[
         Extension(
             "lowband.compressors.kernels._lowband_codecs",
-            sources=["src/lowband/compressors/kernels/lowband_codecs.c"],
+            sources=["src/lowband/compressors/kernels/lowband_codecs.c",
+                     "src/lowband/compressors/kernels/lowband_sgd.c"],
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         )

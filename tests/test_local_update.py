@@ -1,5 +1,6 @@
 """The closed-form tentative step equals the generic fallback and a real optimizer.step(), bit
-for bit, for every SGD and Adam/AdamW variant; neither touches the optimizer's state."""
+for bit, for every SGD and Adam/AdamW variant; neither touches the optimizer's state. CP-SGD's
+fused native SGD step (global step + tentative step in one pass) equals the two in sequence."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lowband.algorithms.local_update import TentativeStep, closed_form_kind
+from lowband.algorithms.local_update import FusedSGDStep, TentativeStep, closed_form_kind
+from lowband.compressors import kernels
 
 VARIANTS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
@@ -101,3 +103,58 @@ def test_in_place_output_and_other_optimizers_fall_back():
     assert not opt.state or all(not st for st in opt.state.values())
     assert any(not torch.equal(p.detach(), s) for p, s in zip(params, start))
     assert closed_form_kind(torch.optim.SGD(params, lr=torch.tensor(0.1))) is None
+
+
+SGD_VARIANTS = sorted(v for v in VARIANTS if v.startswith("sgd"))
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="native kernels not built")
+@pytest.mark.parametrize("variant", SGD_VARIANTS)
+def test_fused_sgd_step_equals_optimizer_step_then_tentative_step(variant):
+    """Five pipelined steps (the first creates the momentum buffers), with parameters that
+    lack the averaged gradient, the local one, or both at some steps: W, w and the optimizer
+    state equal ``optimizer.step()`` followed by ``TentativeStep.step`` bit for bit."""
+    runs = []
+    for fused in (False, True):
+        model = _model()
+        params = list(model.parameters())
+        opt = VARIANTS[variant](_groups(model))
+        assert FusedSGDStep.unavailable(opt, params) is None
+        W = [p.data for p in params]
+        w = [torch.empty_like(p) for p in params]
+        for s in range(5):
+            G, g = _grads(model, 10 + s), _grads(model, 20 + s)
+            if s == 1:
+                G[0] = None          # no rank had this gradient at this step
+            if s == 2:
+                g[1] = None          # this rank had no local gradient
+            if fused:
+                FusedSGDStep(opt, params).step(W, G, g, w)
+            else:
+                for p, x in zip(params, G):
+                    p.grad = x
+                opt.step()
+                TentativeStep(opt, params).step(W, g, w)
+        state = {k: {n: v.clone() for n, v in st.items()} for k, st in opt.state_dict()["state"].items()}
+        runs.append(([x.clone() for x in W], [x.clone() for x in w], state))
+    (W0, w0, st0), (W1, w1, st1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(W0, W1))
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert st0.keys() == st1.keys()
+    for k in st0:
+        assert st0[k].keys() == st1[k].keys()
+        for n in st0[k]:
+            assert torch.equal(st0[k][n], st1[k][n]), (k, n)
+
+
+def test_fused_sgd_step_says_why_it_is_not_used():
+    model = _model()
+    params = list(model.parameters())
+    assert "not a plain torch.optim.SGD" in FusedSGDStep.unavailable(torch.optim.Adam(params), params)
+    assert FusedSGDStep.unavailable(torch.optim.SGD(params, lr=0.1, foreach=True), params) == "foreach=True"
+    opt = torch.optim.SGD(params, lr=0.1)
+    handle = opt.register_step_post_hook(lambda *a: None)
+    assert FusedSGDStep.unavailable(opt, params) == "optimizer step hooks are registered"
+    handle.remove()
+    half = [p.detach().half() for p in params]
+    assert "fp32" in FusedSGDStep.unavailable(opt, half)

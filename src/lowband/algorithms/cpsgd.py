@@ -49,7 +49,7 @@ from ..pipeline import make_collective
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs
-from .local_update import TentativeStep
+from .local_update import FusedSGDStep, TentativeStep
 from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
 
 LOCAL_UPDATES = ("optimizer", "sgd", "none")
@@ -124,7 +124,10 @@ class CPSGD(Algorithm):
             their gradients matter more per element; they then always travel in fp32.
         local_update: how w is formed from W_{t-1} and the worker's own gradient g_t:
             ``"optimizer"``: a tentative step of the user's optimizer from W with g_t (momentum
-            and weight decay included; closed form for SGD and Adam/AdamW, no state change);
+            and weight decay included; closed form for SGD and Adam/AdamW, no state change).
+            For plain ``torch.optim.SGD`` on CPU the global step and this one run fused in one
+            native pass per tensor (:class:`FusedSGDStep`, bit-identical; ``fused_step_unavailable``
+            says why not when it is not used);
             ``"sgd"``: w = W - local_lr * g_t (the paper's plain-SGD local optimizer);
             ``"none"``: w = W_{t-1} (no local compensation).
         local_lr: alpha for ``"sgd"``; ``None`` uses each parameter group's learning rate.
@@ -191,6 +194,10 @@ class CPSGD(Algorithm):
         self.warmup = Warmup(self.warmup_steps)
         self.controller = PeriodController(self.min_period, self.max_period)
         self.tentative = TentativeStep(ctx.optimizer, ctx.params)
+        # the global step and the look-ahead local update in one native pass, where possible
+        self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.local_update != "optimizer"
+                                       else FusedSGDStep.unavailable(ctx.optimizer, ctx.params))
+        self.fused_step = None if self.fused_step_unavailable else FusedSGDStep(ctx.optimizer, ctx.params)
         group_index = {id(p): k for k, g in enumerate(ctx.optimizer.param_groups) for p in g["params"]}
         self.group_of = [group_index.get(id(p)) for p in ctx.params]
         self.w = [p.data for p in ctx.params]                    # compute weights (the model's storage)
@@ -280,12 +287,19 @@ class CPSGD(Algorithm):
             flight.seal([b.handle for b in self.buckets.buckets], self._measure)
             self._measure = None
             local_grads = [p.grad for p in self.ctx.params]
+            averaged = None
             if not self.pipelining:                       # pipeline (re)start: W = current weights
                 torch._foreach_copy_(self.W, self.w)
                 self.pipelining = True
             elif self.in_flight is not None:
-                self._apply_to_global(self.in_flight)
-            self._local_update(local_grads)
+                averaged = self._global_gradients(self.in_flight)
+            if self.fused_step is not None:               # W <- opt(W, G); w <- local_update(W, g)
+                none = [None] * len(local_grads)
+                self.fused_step.step(self.W, none if averaged is None else averaged, local_grads, self.w)
+            else:
+                if averaged is not None:
+                    self._step_global(averaged)
+                self._local_update(local_grads)
             if self.adapt_period:
                 self._prev_local = [None if g is None else g.detach().clone() for g in local_grads]
             self.in_flight = flight
@@ -318,14 +332,18 @@ class CPSGD(Algorithm):
         for p, w in zip(params, self.w):
             p.data = w
 
-    def _apply_to_global(self, flight: "_InFlight") -> None:
+    def _global_gradients(self, flight: "_InFlight") -> list[Optional[torch.Tensor]]:
+        """The step's averaged gradients (waited for), with the adaptive rule's bookkeeping."""
         grads = flight.result()
         if self.adapt_period and self._prev_local is not None:
             self._measure = _measurement(flight, grads, self._prev_local, self.ctx.params)
         if flight.measure is not None:                  # agreed (averaged) sums
             for i, x in enumerate(flight.measure.tolist()):
                 self._stats[i] += x
-        self._step_global(grads)
+        return grads
+
+    def _apply_to_global(self, flight: "_InFlight") -> None:
+        self._step_global(self._global_gradients(flight))
 
     def _local_update(self, local_grads: list[Optional[torch.Tensor]]) -> None:
         """w <- local_update(W, g_t); the model then holds w."""

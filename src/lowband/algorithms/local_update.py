@@ -183,3 +183,123 @@ class TentativeStep:
         opt.state.clear()
         for p, st in saved_state.items():
             opt.state[p] = st
+
+
+# -- CP-SGD's global step and local update in one native pass ------------------------------
+_SGD_GLOBAL, _SGD_HAS_BUF, _SGD_LOCAL, _SGD_MOMENTUM, _SGD_WD, _SGD_NESTEROV, _SGD_MAXIMIZE = 1, 2, 4, 8, 16, 32, 64
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.optim import optimizer as optim_module
+    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None) or
+                getattr(optimizer, "_optimizer_step_post_hooks", None) or
+                optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
+
+
+class FusedSGDStep:
+    """``step(W, G, g, w)``: the user's ``torch.optim.SGD`` step of the global weights ``W``
+    with the averaged gradients ``G`` (in place, momentum buffers in the optimizer's state,
+    as ``optimizer.step()`` leaves them) and the tentative step of ``g`` from the new ``W``
+    into ``w`` (:class:`TentativeStep`), in one pass of the native kernel per tensor
+    (``lowband_sgd.c``) instead of two optimizer passes of about a dozen torch operations.
+    Bit-identical to ``optimizer.step()`` followed by ``TentativeStep.step`` (tested).
+
+    A ``G[i]`` of None leaves ``W[i]`` and its state alone (a torch optimizer skips it);
+    a ``g[i]`` of None makes ``w[i] = W[i]``.
+
+    :meth:`unavailable` says why it cannot be used (None: it can): not plain SGD, step
+    hooks registered (they would not run), tensors not contiguous fp32 on the CPU, the
+    native library missing, or its rounding differs from torch's on this CPU (probed once).
+    """
+
+    _probe: Optional[bool] = None
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
+        from ..compressors import kernels
+        self.optimizer = optimizer
+        self.params = list(params)
+        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.group_of = [group_of.get(id(p)) for p in self.params]
+        self._lib = kernels.library()
+
+    @classmethod
+    def unavailable(cls, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Optional[str]:
+        from ..compressors import kernels
+        if closed_form_kind(optimizer) != "sgd":
+            return "the optimizer is not a plain torch.optim.SGD"
+        if any(g.get("foreach") for g in optimizer.param_groups):
+            return "foreach=True"
+        if _has_step_hooks(optimizer):
+            return "optimizer step hooks are registered"
+        if any(p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() for p in params):
+            return "parameters are not contiguous fp32 CPU tensors"
+        if kernels.library() is None:
+            return kernels.unavailable_reason() or f"{kernels.ENV}=torch"
+        if not cls._agrees_with_torch():
+            return "the native SGD step rounds differently from torch's on this CPU"
+        return None
+
+    @classmethod
+    def _agrees_with_torch(cls) -> bool:
+        """One-time probe: the kernel against ``optimizer.step()`` + ``TentativeStep`` on
+        small random tensors, for every flag the kernel has."""
+        if cls._probe is None:
+            cls._probe = all(_probe_case(**kw) for kw in (
+                dict(momentum=0.9, weight_decay=1e-4), dict(momentum=0.9, nesterov=True, weight_decay=5e-4),
+                dict(momentum=0.5, dampening=0.25, maximize=True), dict()))
+        return cls._probe
+
+    @torch.no_grad()
+    def step(self, W: Tensors, G: Sequence[Optional[torch.Tensor]], g: Sequence[Optional[torch.Tensor]],
+             w: Tensors) -> None:
+        lib, groups, state = self._lib, self.optimizer.param_groups, self.optimizer.state
+        for i, p in enumerate(self.params):
+            k = self.group_of[i]
+            Gi = G[i] if k is not None else None
+            gi = g[i] if k is not None else None
+            if Gi is None and gi is None:
+                w[i].copy_(W[i])
+                continue
+            group = groups[k]
+            mu, wd = group["momentum"], group["weight_decay"]
+            flags = ((_SGD_GLOBAL if Gi is not None else 0) | (_SGD_LOCAL if gi is not None else 0) |
+                     (_SGD_MOMENTUM if mu != 0 else 0) | (_SGD_WD if wd != 0 else 0) |
+                     (_SGD_NESTEROV if group["nesterov"] else 0) | (_SGD_MAXIMIZE if group.get("maximize") else 0))
+            buf = state[p].get("momentum_buffer") if p in state else None
+            if mu != 0 and buf is None and Gi is not None:    # first step: torch's buf = grad.clone()
+                buf = torch.empty_like(W[i])
+                state[p]["momentum_buffer"] = buf
+            elif buf is not None and mu != 0:
+                flags |= _SGD_HAS_BUF
+            for t in (Gi, gi):
+                if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                    raise ValueError("FusedSGDStep: gradients must be contiguous fp32 CPU tensors")
+            lib.lb_sgd_pipeline(W[i].data_ptr(), None if buf is None or mu == 0 else buf.data_ptr(),
+                                None if Gi is None else Gi.data_ptr(), None if gi is None else gi.data_ptr(),
+                                w[i].data_ptr(), W[i].numel(), -group["lr"], wd, mu, 1 - group["dampening"], flags)
+        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            self.optimizer._opt_called = True    # what the scheduler's wrapper of step() records
+
+
+def _probe_case(n: int = 67, **options) -> bool:
+    """Two fused steps (the first creates the momentum buffer) equal the torch sequence."""
+    gen = torch.Generator().manual_seed(n)
+    start = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(4)]
+    results = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(start.clone())
+        opt = torch.optim.SGD([p], lr=0.1, **options)
+        w = torch.empty(n)
+        for G, g in ((grads[0], grads[1]), (grads[2], grads[3])):
+            if fused:
+                FusedSGDStep(opt, [p]).step([p.data], [G], [g], [w])
+            else:
+                p.grad = G
+                opt.step()
+                TentativeStep(opt, [p]).step([p.data], [g], [w])
+        buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+        results.append((p.detach().clone(), w.clone(), None if buf is None else buf.clone()))
+    (p0, w0, b0), (p1, w1, b1) = results
+    same_buf = (b0 is None and b1 is None) or (b0 is not None and b1 is not None and torch.equal(b0, b1))
+    return torch.equal(p0, p1) and torch.equal(w0, w1) and same_buf
