@@ -17,4 +17,12 @@ def test_invalid_knobs_are_rejected(bad):
 
 def test_defaults():
     algo = make_algorithm("compressed")
-    assert (algo.compressor, algo.collective, algo.warmup_steps, algo.compress_vectors) == ("2bit", "two-stage", DEFAULT_WARMUP_STEPS, False)
+    assert (algo.compressor, algo.collective, algo.warmup_steps, algo.compress_vectors) == ("2bit", "auto", DEFAULT_WARMUP_STEPS, False)
+
+
+def test_auto_collective_is_allgather_up_to_4_ranks_then_two_stage():
+    from lowband.collectives.compressed import resolve_collective
+    assert [resolve_collective("auto", n) for n in (1, 2, 3, 4, 5, 64)] == ["allgather"] * 4 + ["two-stage"] * 2
+    assert resolve_collective("two-stage", 2) == "two-stage" and resolve_collective("allgather", 64) == "allgather"
+    with pytest.raises(ValueError, match="unknown collective 'ring'"):
+        resolve_collective("ring", 2)

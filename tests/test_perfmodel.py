@@ -100,7 +100,7 @@ def test_cpsgd_steady_state_is_max_of_compute_and_codec_plus_comm(bandwidth):
     numel, n = 1_000_000, 4
     prof = make_profile([numel], [0.03], forward=0.015, optimizer=0.002, codec=_codec(), shares=False)
     net = Network(bandwidth * GBIT, 2e-5)
-    opts = {"correction_period": None, "local_update": "sgd", "bucket_mb": 64}
+    opts = {"correction_period": None, "local_update": "sgd", "bucket_mb": 64, "collective": "two-stage"}
     est = estimate(prof, "cpsgd", opts, Cluster(n, net))
     cd, nb = prof.codecs["2bit"], 4.0 * numel
     chain = (cd.encode_s(nb, n) + net.alltoall_s(cd.payload(nb, n), n) + cd.decode_s(nb, n) + cd.encode_s(nb / n)
@@ -108,7 +108,7 @@ def test_cpsgd_steady_state_is_max_of_compute_and_codec_plus_comm(bandwidth):
     compute = prof.compute_s + prof.optimizer_s          # + the local update (sgd: one optimizer-step cost)
     assert est.step_s == pytest.approx(max(compute, chain), rel=1e-9)
     # the synchronous compressed step pays for the same chain on its critical path
-    sync = estimate(prof, "compressed", {"bucket_mb": 64}, Cluster(n, net))
+    sync = estimate(prof, "compressed", {"bucket_mb": 64, "collective": "two-stage"}, Cluster(n, net))
     assert sync.step_s == pytest.approx(prof.compute_s + chain, rel=1e-9)
     assert est.step_s <= sync.step_s + prof.optimizer_s
 
@@ -118,12 +118,12 @@ def test_cpsgd_burst_correction_costs_one_fp32_allreduce_per_period_when_network
     prof = make_profile([numel], [0.0], forward=0.0, optimizer=0.0, codec=CodecInfo(1e6, 1e6, payload_ratio=1 / 16),
                         shares=False)
     net = Network(0.1 * GBIT, 0.0)
-    est = estimate(prof, "cpsgd", {"correction_period": k, "bucket_mb": 64}, Cluster(n, net))
+    two = {"correction_period": k, "bucket_mb": 64, "collective": "two-stage"}
+    est = estimate(prof, "cpsgd", {**two, "correction": "burst"}, Cluster(n, net))
     nb = 4.0 * numel
     compressed = net.alltoall_s(nb / 16, n) + net.allgather_s(nb / 16 / n, n)
     assert est.step_s == pytest.approx(((k - 1) * compressed + net.allreduce_s(nb, n)) / k, rel=1e-3)
-    spread = estimate(prof, "cpsgd", {"correction_period": k, "correction": "spread", "bucket_mb": 64},
-                      Cluster(n, net))
+    spread = estimate(prof, "cpsgd", {**two, "correction": "spread"}, Cluster(n, net))
     assert spread.bytes_sent == pytest.approx(est.bytes_sent, rel=0.01)
 
 

@@ -94,7 +94,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true", help="launch communication only after backward (ssgd)")
     p.add_argument("--compressor", default=None, help="codec for compressed algorithms: 2bit, 1bit, qsgd, terngrad, "
                    "topk, randomk, fp16, bf16, powersgd, none")
-    p.add_argument("--collective", default=None, help="compressed collective: two-stage or allgather")
+    p.add_argument("--collective", default=None, help="compressed collective: auto (allgather up to 4 workers, else two-stage), "
+                   "two-stage or allgather")
     p.add_argument("--compressor-option", action="append", default=[], metavar="KEY=VALUE",
                    help="codec option, e.g. --compressor-option threshold=0.01 (repeatable)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

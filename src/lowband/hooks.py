@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from .algorithms.schedule import DEFAULT_COMPRESSION_WARMUP_STEPS
 from .collectives.communicator import CommStats, Communicator
-from .collectives.compressed import COLLECTIVES
+from .collectives.compressed import COLLECTIVE_CHOICES as COLLECTIVES
 from .collectives.wire import allreduce_bytes
 from .compressors import COMPRESSORS, build_compressor
 from .pipeline import CompressedReducer, Handle, make_reducer

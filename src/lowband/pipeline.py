@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives.communicator import Communicator
-from .collectives.compressed import COLLECTIVES, Plan, make_plan
+from .collectives.compressed import Plan, make_plan, resolve_collective
 from .compressors import Compressor, ErrorFeedback
 
 Segments = Sequence[tuple[str, int]]
@@ -182,7 +182,8 @@ class CompressedReducer:
     """Compressed averaging of flat fp32 buckets on an ordered pipeline (module docstring).
 
     Args:
-        kind: ``two-stage`` or ``allgather``.
+        kind: ``two-stage``, ``allgather`` or ``auto`` (:func:`resolve_collective` picks by
+            the group's size; ``name`` is the one used).
         comm: the caller's counted communicator (its group's ranks take part, its stats get
             the bytes and the exposed wait time).
         codec: the worker codec, wrapped in :class:`ErrorFeedback` for residual memory (the
@@ -194,9 +195,7 @@ class CompressedReducer:
 
     def __init__(self, kind: str, comm: Communicator, codec: Compressor,
                  server_codec: Optional[Compressor] = None, pipeline: Optional[Pipeline] = None) -> None:
-        if kind not in COLLECTIVES:
-            raise ValueError(f"unknown collective {kind!r}; choose one of: {', '.join(COLLECTIVES)}")
-        self.name = kind
+        self.name = resolve_collective(kind, comm.world_size)
         self.comm = comm
         self.error_feedback = isinstance(codec, ErrorFeedback)
         self.codec = codec.inner if self.error_feedback else codec
@@ -360,7 +359,7 @@ class CompressedReducer:
 
 def make_reducer(kind: str, comm: Communicator, codec: Compressor, pipeline: Optional[Pipeline] = None
                  ) -> CompressedReducer:
-    """The compressed reducer of collective ``kind`` (``two-stage`` or ``allgather``)."""
+    """The compressed reducer of collective ``kind`` (``two-stage``, ``allgather`` or ``auto``)."""
     return CompressedReducer(kind, comm, codec, pipeline=pipeline)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..collectives.compressed import COLLECTIVES
+from ..collectives.compressed import COLLECTIVE_CHOICES
 from ..collectives.wire import MIB
 from ..compressors import COMPRESSORS, build_compressor
 from ..pipeline import CompressedReducer, Handle, make_reducer
@@ -22,8 +22,8 @@ def check_compression_knobs(owner: str, compressor: str, options: dict[str, Any]
     """The knobs every compressing algorithm shares; ValueError naming the first bad one."""
     if compressor not in COMPRESSORS:
         raise ValueError(f"unknown compressor {compressor!r}; choose one of: {', '.join(COMPRESSORS)}")
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+    if collective not in COLLECTIVE_CHOICES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVE_CHOICES)}")
     if not bucket_mb > 0:
         raise ValueError(f"{owner}: bucket_mb must be > 0, got {bucket_mb}")
     build_compressor(compressor, options, error_feedback)   # validates the codec's options
@@ -37,8 +37,9 @@ class CompressedSGD(Algorithm):
         compressor_options: codec options, e.g. ``{"threshold": 0.01}`` for 2bit (in
             mean-gradient units; MXNet's summed-gradient threshold divided by the local batch).
         collective: ``two-stage`` (compressed all_to_all + server re-compression + all_gather,
-            O(1) bytes per rank in N) or ``allgather`` (every payload to every rank, exact sum of
-            the decoded payloads, O(N)).
+            O(1) bytes per rank in N), ``allgather`` (every payload to every rank, exact sum of
+            the decoded payloads, O(N)) or ``auto`` (the default: allgather up to 4 ranks,
+            two-stage above; ``lowband.collectives.compressed.resolve_collective``).
         error_feedback: keep a per-bucket residual (worker side; the two-stage server keeps
             its own). Without it biased codecs stall.
         bucket_mb / overlap: as for ``ssgd``.
@@ -64,7 +65,7 @@ class CompressedSGD(Algorithm):
 
     compressor: str = "2bit"
     compressor_options: dict[str, Any] = field(default_factory=dict)
-    collective: str = "two-stage"
+    collective: str = "auto"
     error_feedback: bool = True
     bucket_mb: float = 1.0
     overlap: bool = True

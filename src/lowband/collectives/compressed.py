@@ -35,6 +35,28 @@ from ..compressors.bucket import BucketCodec, ChunkedLayout, Segments, _ChunkFor
 from .communicator import Communicator
 
 COLLECTIVES = ("allgather", "two-stage")
+#: what an algorithm's ``collective`` knob accepts: a collective, or ``auto``
+COLLECTIVE_CHOICES = ("auto", *COLLECTIVES)
+#: ``auto`` takes ``allgather`` up to this many ranks (see :func:`resolve_collective`)
+AUTO_ALLGATHER_MAX_WORLD = 4
+
+
+def resolve_collective(kind: str, world_size: int) -> str:
+    """``auto`` -> ``allgather`` for world sizes up to ``AUTO_ALLGATHER_MAX_WORLD``, else
+    ``two-stage``; a named collective is returned as is.
+
+    Why: allgather's result is the exact sum of the decoded payloads (one quantization, what
+    MXNet's parameter server computes), two-stage re-quantizes the owners' averages (two).
+    Its compressed bytes per rank are (N-1) payloads against two-stage's 2(N-1)/N, i.e.
+    N/2 times as many: equal at 2 ranks, twice at 4, and growing with N beyond. Measured
+    (docs/cpsgd.md): at 4 ranks cpsgd's accuracy is 0.42 pp higher with allgather, and at
+    2 ranks its reducer takes about a third less CPU per step (one codec pass and one
+    collective fewer)."""
+    if kind == "auto":
+        return "allgather" if world_size <= AUTO_ALLGATHER_MAX_WORLD else "two-stage"
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; choose one of: {', '.join(COLLECTIVE_CHOICES)}")
+    return kind
 
 
 def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.ndarray]) -> None:

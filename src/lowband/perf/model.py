@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..algorithms.buckets import plan_buckets
+from ..collectives.compressed import resolve_collective
 from ..collectives.wire import MIB
 from .network import Network
 from .profile import Profile
@@ -327,6 +328,13 @@ def _ddp_powersgd(st: _Step, o: dict, steps: int) -> list[int]:
     return ends
 
 
+def _collective(o: dict, world: int) -> str:
+    """The algorithm's collective as it runs (``auto`` resolved by the world size); ``ps``
+    is the model's own what-if."""
+    kind = o.get("collective", "auto")
+    return kind if kind == "ps" else resolve_collective(kind, world)
+
+
 def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
     """Synchronous compressed SGD after its warm-up: matrices in compressed buckets through the
     collective on the background thread, launched during backward; 1-D parameters (unless
@@ -337,7 +345,7 @@ def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
     bucket_mb = o.get("bucket_mb", 1.0)
     groups, vgroups = st.buckets(dense, bucket_mb), st.buckets(vectors, bucket_mb)
     overlap = o.get("overlap", True)
-    collective, codec_name = o.get("collective", "two-stage"), o.get("compressor", "2bit")
+    collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
     ends, prev, bg = [], None, None
     for s in range(steps):
         _, ready, b = st.forward_backward(s, [prev])
@@ -369,7 +377,7 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
     vectors = sorted(set(range(len(params))) - set(dense))
     groups = st.buckets(dense, o.get("bucket_mb", 1.0))
     vgroups = st.buckets(vectors, o.get("bucket_mb", 1.0))
-    collective, codec_name = o.get("collective", "two-stage"), o.get("compressor", "2bit")
+    collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
     k = o.get("correction_period", 5)
     mode = o.get("correction", "burst")
     if mode not in ("burst", "spread"):
