@@ -158,3 +158,22 @@ def test_fused_sgd_step_says_why_it_is_not_used():
     handle.remove()
     half = [p.detach().half() for p in params]
     assert "fp32" in FusedSGDStep.unavailable(opt, half)
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="native kernels not built")
+def test_fused_sgd_step_reads_a_non_contiguous_gradient_correctly():
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(6, 5))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    G = torch.randn(5, 6).t()            # same shape, transposed strides
+    g = torch.randn(5, 6).t()
+    assert not G.is_contiguous()
+    W, w = p.detach().clone(), torch.empty(6, 5)
+    FusedSGDStep(opt, [p]).step([W], [G], [g], [w])
+    ref = nn.Parameter(p.detach().clone())
+    opt2 = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    ref.grad = G.contiguous()
+    opt2.step()
+    w2 = torch.empty(6, 5)
+    TentativeStep(opt2, [ref]).step([ref.data], [g.contiguous()], [w2])
+    assert torch.equal(W, ref.detach()) and torch.equal(w, w2)

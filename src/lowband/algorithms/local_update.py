@@ -271,14 +271,19 @@ class FusedSGDStep:
                 state[p]["momentum_buffer"] = buf
             elif buf is not None and mu != 0:
                 flags |= _SGD_HAS_BUF
-            for t in (Gi, gi):
-                if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
-                    raise ValueError("FusedSGDStep: gradients must be contiguous fp32 CPU tensors")
+            Gi, gi = _kernel_operand(Gi), _kernel_operand(gi)
             lib.lb_sgd_pipeline(W[i].data_ptr(), None if buf is None or mu == 0 else buf.data_ptr(),
                                 None if Gi is None else Gi.data_ptr(), None if gi is None else gi.data_ptr(),
                                 w[i].data_ptr(), W[i].numel(), -group["lr"], wd, mu, 1 - group["dampening"], flags)
         if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
             self.optimizer._opt_called = True    # what the scheduler's wrapper of step() records
+
+
+def _kernel_operand(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A gradient as the kernel reads it: contiguous fp32 on the CPU (copied only if not)."""
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"):
+        return t
+    return t.detach().to("cpu", torch.float32).contiguous()
 
 
 def _probe_case(n: int = 67, **options) -> bool:
