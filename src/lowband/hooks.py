@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from .algorithms.schedule import DEFAULT_COMPRESSION_WARMUP_STEPS
 from .collectives.communicator import CommStats, Communicator
-from .collectives.compressed import COLLECTIVE_CHOICES as COLLECTIVES
+from .collectives.compressed import COLLECTIVE_CHOICES
 from .collectives.wire import allreduce_bytes
 from .compressors import COMPRESSORS, build_compressor
 from .pipeline import CompressedReducer, Handle, make_reducer
@@ -86,8 +86,8 @@ class CompressionHookState:
     ) -> None:
         if compressor not in COMPRESSORS:
             raise ValueError(f"unknown compressor {compressor!r}; choose one of: {', '.join(COMPRESSORS)}")
-        if collective not in COLLECTIVES:
-            raise ValueError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+        if collective not in COLLECTIVE_CHOICES:
+            raise ValueError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVE_CHOICES)}")
         if start_compress_iter < MIN_START_COMPRESS_ITER:
             raise ValueError(f"start_compress_iter must be >= {MIN_START_COMPRESS_ITER} (DDP rebuilds "
                              f"buckets after iteration 1), got {start_compress_iter}")

@@ -49,7 +49,7 @@ from ..pipeline import make_collective
 from .base import Algorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs
-from .local_update import FusedSGDStep, TentativeStep
+from .local_update import FusedSGDStep, TentativeStep, param_group_of
 from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
 
 LOCAL_UPDATES = ("optimizer", "sgd", "none")
@@ -199,8 +199,7 @@ class CPSGD(Algorithm):
         self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.local_update != "optimizer"
                                        else FusedSGDStep.unavailable(ctx.optimizer, ctx.params))
         self.fused_step = None if self.fused_step_unavailable else FusedSGDStep(ctx.optimizer, ctx.params)
-        group_index = {id(p): k for k, g in enumerate(ctx.optimizer.param_groups) for p in g["params"]}
-        self.group_of = [group_index.get(id(p)) for p in ctx.params]
+        self.group_of = param_group_of(ctx.optimizer, ctx.params)
         self.w = [p.data for p in ctx.params]                    # compute weights (the model's storage)
         self.W = [torch.empty_like(p) for p in ctx.params]       # global weights, while pipelining
         self._eval: Optional[list[torch.Tensor]] = None

@@ -25,6 +25,12 @@ import torch
 Tensors = Sequence[torch.Tensor]
 
 
+def param_group_of(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[Optional[int]]:
+    """Index of the optimizer's param group holding each parameter (None: no group holds it)."""
+    index = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    return [index.get(id(p)) for p in params]
+
+
 def _plain_group(group: dict) -> bool:
     """Whether a param group uses only options the closed forms reproduce."""
     if any(group.get(k) for k in ("capturable", "differentiable", "fused")):
@@ -59,8 +65,7 @@ class TentativeStep:
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], generic: bool = False):
         self.optimizer = optimizer
         self.params = list(params)
-        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self.group_of = [group_of.get(id(p)) for p in self.params]
+        self.group_of = param_group_of(optimizer, self.params)
         self.kind = None if generic else closed_form_kind(optimizer)
         n_scratch = {"sgd": 2, "adam": 3}.get(self.kind, 0)
         self._scratch = [[torch.empty_like(p) for p in self.params] for _ in range(n_scratch)]
@@ -218,8 +223,7 @@ class FusedSGDStep:
         from ..compressors import kernels
         self.optimizer = optimizer
         self.params = list(params)
-        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self.group_of = [group_of.get(id(p)) for p in self.params]
+        self.group_of = param_group_of(optimizer, self.params)
         self._lib = kernels.library()
 
     @classmethod
