@@ -33,8 +33,11 @@ def fail(message: str, status: int = EXIT_FAILURE) -> NoReturn:
     """Report and leave at once. A normal interpreter exit would run the process group's
     destructors with collectives still in flight on a broken connection, which aborts the
     process (SIGABRT, "terminate called without an active exception") and hides the status."""
-    print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    sys.stderr.flush()
+    # one write(2) of the whole line: the workers share the launcher's stderr, and a separate
+    # write of the newline let two ranks' lines run together (seen in tests)
+    os.write(sys.stderr.fileno(), (message + "\n").encode("utf-8", "backslashreplace"))
     os._exit(status)
 
 
