@@ -66,7 +66,7 @@ def spread_masks(params, k: int) -> list[list[torch.Tensor]]:
 
 
 def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Optional[dict],
-             spread: bool = False, exact_semantics: str = "contract"):
+             spread: bool = False, exact_semantics: str = "contract", flush: bool = False):
     """Spec A.2 written out literally for N simulated workers in one process: global W and the
     optimizer on it, per-worker compute weights, per-worker per-bucket error feedback, and an
     all-gather-style exact average of the decoded payloads.
@@ -74,7 +74,9 @@ def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Opt
     ``spread``: at phase j of each cycle, share j of every bucket is averaged exactly and the
     rest compressed. ``exact_semantics``: "contract" (an exact element is coded 0 and its
     residual is neither used nor changed) or "adapter" (cpsgd's side channel before the reducer
-    had ``exact=``: the element enters compression as 0, its residual goes on as usual)."""
+    had ``exact=``: the element enters compression as 0, its residual goes on as usual).
+    ``flush``: an element sent exact carries its worker's residual (g + e averaged in fp32) and
+    the residual there becomes 0 (``flush_residual_on_correction``)."""
     torch.manual_seed(0)
     global_model = SmallNet()
     opt = sgd(global_model)
@@ -105,13 +107,20 @@ def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Opt
             continue
         correction = k is not None and (t - warmup) % k == 0 and not spread
         exact = [sum(g[i] for g in grads) / world for i in range(len(params))]
+        if correction and flush and codec is not None:      # every element exact, residuals flushed
+            for i in range(len(params)):
+                for r in range(world):
+                    if efs[r].has_residual(names[i]):
+                        e = efs[r].residual(names[i])
+                        exact[i] = exact[i] + e.view_as(params[i]) / world
+                        e.zero_()
         if correction or codec is None:
             c = exact
         else:
             mask = masks[(t - warmup) % k] if spread else [torch.zeros(p.numel(), dtype=torch.bool) for p in params]
             c = [None] * len(params)
             for i in range(len(params)):      # layer-wise codec, residual keyed by parameter name
-                total = torch.zeros(params[i].numel())
+                total, flushed = torch.zeros(params[i].numel()), torch.zeros(params[i].numel())
                 m = mask[i]
                 for r in range(world):
                     x = grads[r][i].reshape(-1).clone()
@@ -122,11 +131,13 @@ def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Opt
                         saved = e[m].clone()
                         e[m] = 0
                     payload, ctx = efs[r].compress(x, names[i])
-                    if saved is not None:
+                    if saved is not None and flush:
+                        flushed[m] += saved / world
+                    elif saved is not None:
                         efs[r].residual(names[i]).reshape(-1)[m] = saved
                     total += efs[r].decompress(payload, ctx).reshape(-1)
                 total = total / world
-                total[m] = exact[i].reshape(-1)[m]
+                total[m] = exact[i].reshape(-1)[m] + flushed[m]
                 c[i] = total.view_as(params[i])
         if pending is not None:
             apply(pending)
@@ -173,13 +184,14 @@ def test_alpha0_no_correction_is_stale_compressed_sgd_with_error_feedback():
         assert max_rel_err(ours, reference) <= 1e-5
 
 
-def test_compressed_with_corrections_matches_simulation():
+@pytest.mark.parametrize("flush", [True, False])
+def test_compressed_with_corrections_matches_simulation(flush):
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
     options = {"warmup_steps": 2, "correction_period": 3, "correction": "burst", "local_update": "sgd",
                "local_lr": LR, "collective": "allgather", "compressor_options": codec["options"],
-               "bucket_mb": BUCKET_MB, "compress_vectors": True}
+               "bucket_mb": BUCKET_MB, "compress_vectors": True, "flush_residual_on_correction": flush}
     results = run_distributed(_run_lowband, 2, options)
-    reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec)
+    reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec, flush=flush)
     for ours in results:
         assert max_rel_err(ours, reference) <= 1e-5
     assert max_rel_err(results[0], results[1]) == 0.0
@@ -221,15 +233,16 @@ def _run_recording(rank: int, world: int, options: dict, steps: int = STEPS):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, log
 
 
-def test_spread_correction_matches_simulation_and_sends_constant_bytes():
+@pytest.mark.parametrize("flush", [True, False])
+def test_spread_correction_matches_simulation_and_sends_constant_bytes(flush):
     codec = {"name": "2bit", "options": {"threshold": 0.01}}
     base = {"warmup_steps": 2, "correction_period": 3, "local_update": "sgd", "local_lr": LR,
             "collective": "allgather", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB,
-            "compress_vectors": True}
+            "compress_vectors": True, "flush_residual_on_correction": flush}
     results = run_distributed(_run_recording, 2, {**base, "correction": "spread"})
     native = "exact" in inspect.signature(CompressedReducer.start).parameters
     reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec, spread=True,
-                         exact_semantics="contract" if native else "adapter")
+                         exact_semantics="contract" if native else "adapter", flush=flush)
     for ours, log in results:
         assert max_rel_err(ours, reference) <= 1e-5
         phases = [m["correction_phase"] for _, m in log]
@@ -238,7 +251,7 @@ def test_spread_correction_matches_simulation_and_sends_constant_bytes():
         assert max(sent) - min(sent) <= 64, sent        # constant bytes per step (shares differ by <= 1 element)
     assert max_rel_err(results[0][0], results[1][0]) == 0.0
     # it is not the burst correction (whose fp32 steps send ~10x the bytes): that ends elsewhere
-    assert max_rel_err(results[0][0], simulate(2, warmup=2, k=3, alpha=LR, codec=codec)) > 1e-4
+    assert max_rel_err(results[0][0], simulate(2, warmup=2, k=3, alpha=LR, codec=codec, flush=flush)) > 1e-4
 
 
 def test_bad_options():

@@ -179,9 +179,11 @@ class _RankOrdered(nn.Module):
 
 def _two_rank_suite(rank: int, world: int) -> dict:
     out = {}
-    for variant, layers in (("probe", 1), ("vote", 2)):
-        params, metrics, _ = _train(rank, world, SmallNet, "lazy", {"lazy_layers": layers, "variant": variant})
-        out[variant] = params, [(t + 1, m["tau"]) for t, m in enumerate(metrics) if m["lazy_synced"]]
+    for key, variant, layers, window_step in (("probe", "probe", 1, "sum"), ("vote", "vote", 2, "sum"),
+                                             ("probe-scaled", "probe", 1, "scaled")):
+        params, metrics, _ = _train(rank, world, SmallNet, "lazy",
+                                    {"lazy_layers": layers, "variant": variant, "window_step": window_step})
+        out[key] = params, [(t + 1, m["tau"]) for t, m in enumerate(metrics) if m["lazy_synced"]]
     for name, make, layers in (("pair", TiedPair, 3), ("lm", TiedLM, 2)):
         lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1}, steps=TIED_STEPS)
         ssgd = _train(rank, world, make, "ssgd", {}, steps=TIED_STEPS)
@@ -204,9 +206,10 @@ def two_ranks():
     return run_distributed(_two_rank_suite, 2, timeout_s=SUITE_TIMEOUT_S)
 
 
-def simulate(world: int, lazy_names: list[str], variant: str):
+def simulate(world: int, lazy_names: list[str], variant: str, scaled: bool = False):
     """B.2.3 written out for N simulated workers: lazy parameters accumulate per worker, every
-    tau steps the global sums are applied in one optimizer step, tau adapts from the probe."""
+    tau steps the global sums are applied in one optimizer step, tau adapts from the probe.
+    ``scaled``: that step's change of the lazy parameters is multiplied by the window length."""
     torch.manual_seed(0)
     model = SmallNet()
     opt = make_optimizer("sgd", model)
@@ -229,7 +232,7 @@ def simulate(world: int, lazy_names: list[str], variant: str):
         for n in acc:
             acc[n] += mean[n]
         n_acc += 1
-        sync = n_acc >= tau
+        sync, window = n_acc >= tau, n_acc
         for n, p in named.items():
             p.grad = None if n in acc else mean[n]
         if sync:
@@ -248,24 +251,30 @@ def simulate(world: int, lazy_names: list[str], variant: str):
                 acc[n].zero_()
             n_acc = 0
             history.append((t + 1, tau))
+        before = {n: named[n].detach().clone() for n in acc}
         opt.step()
+        if sync and scaled and window > 1:
+            with torch.no_grad():
+                for n in acc:
+                    named[n].copy_(before[n] + window * (named[n] - before[n]))
     return {n: p.detach().clone() for n, p in named.items()}, history
 
 
-@pytest.mark.parametrize("variant, lazy_names", [
-    ("probe", ["conv.weight", "conv.bias"]),
-    ("vote", ["conv.weight", "conv.bias", "fc1.weight", "fc1.bias"]),
+@pytest.mark.parametrize("key, variant, lazy_names", [
+    ("probe", "probe", ["conv.weight", "conv.bias"]),
+    ("vote", "vote", ["conv.weight", "conv.bias", "fc1.weight", "fc1.bias"]),
+    ("probe-scaled", "probe", ["conv.weight", "conv.bias"]),
 ])
-def test_lazy_matches_simulation(two_ranks, variant, lazy_names):
-    reference, ref_history = simulate(2, lazy_names, variant)
+def test_lazy_matches_simulation(two_ranks, key, variant, lazy_names):
+    reference, ref_history = simulate(2, lazy_names, variant, scaled=key.endswith("scaled"))
     for per_rank in two_ranks:
-        params, history = per_rank[variant]
+        params, history = per_rank[key]
         assert history == ref_history
         assert max_rel_err(params, reference) <= 1e-5
     assert ref_history[0] == (1, 2)                        # step 1 is a window of n = 1
     assert max(tau for _, tau in ref_history) >= 3         # the interval really adapted
     assert len(ref_history) < STEPS                        # and syncs were skipped
-    assert max_rel_err(two_ranks[0][variant][0], two_ranks[1][variant][0]) == 0.0
+    assert max_rel_err(two_ranks[0][key][0], two_ranks[1][key][0]) == 0.0
 
 
 @pytest.mark.parametrize("name", ["pair", "lm"])
@@ -376,6 +385,8 @@ def test_bad_options():
         lowband.LazyUpdate(variant="majority")
     with pytest.raises(ValueError, match="lazy_layers"):
         lowband.LazyUpdate(lazy_layers=-1)
+    with pytest.raises(ValueError, match="window_step"):
+        lowband.LazyUpdate(window_step="mean")
 
 
 def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path):

@@ -140,18 +140,14 @@ class Engine:
         the step was skipped on every rank for a non-finite gradient (``nonfinite="skip"``);
         callers then leave their LR scheduler alone, as if the step had not happened."""
         if self.guard.active:
-            t0 = time.perf_counter()
             step = self.comm.stats.steps + 1
-            try:
-                self.guard.settle()     # a deferred decision about the previous step
+            with self._waiting():
                 if self.guard.policy == "raise" and self.algorithm.gradients_applied_late():
-                    self.guard.start(step)
+                    self.guard.start(step)   # settles the previous step's deferred decision first
                 elif not self.guard.check(step):
                     self.comm.stats.steps += 1
                     self.comm.stats.skipped_steps += 1
                     return False
-            finally:
-                self.comm.stats.comm_wait_s += time.perf_counter() - t0
             self.guard.replay(self._forward)
         self.algorithm.step()
         self.comm.stats.steps += 1
@@ -253,11 +249,17 @@ class Engine:
     def _settle_guard(self) -> None:
         """Finish a deferred finiteness decision (raises on every rank for a bad step)."""
         if self.guard.pending:
-            t0 = time.perf_counter()
-            try:
+            with self._waiting():
                 self.guard.settle()
-            finally:
-                self.comm.stats.comm_wait_s += time.perf_counter() - t0
+
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Charge the time spent inside to ``stats.comm_wait_s`` (exposed communication)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm.stats.comm_wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
         for h in self._hooks:

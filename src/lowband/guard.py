@@ -160,8 +160,10 @@ class GradientGuard:
         return min(bad) if bad else ALL_FINITE
 
     def check(self, step: int) -> bool:
-        """Agree on this step; True if it may be applied. Raises or clears gradients otherwise."""
+        """Agree on this step; True if it may be applied. Raises or clears gradients otherwise.
+        A deferred decision about an earlier step (:meth:`start`) is settled first."""
         self._refuse_if_failed()
+        self.settle()
         everyone = self._exchange(step, async_op=False)[1]
         return self._decide(step, everyone)
 

@@ -118,8 +118,10 @@ class CPSGD(Algorithm):
         adapt_period: let k follow :class:`PeriodController` (starting at
             ``correction_period``, within ``[min_period, max_period]``).
         min_period, max_period: bounds of the adaptive k.
-        flush_residual_on_correction: False (faithful to the paper's code) leaves the residual
-            untouched on exact elements; True adds it to the exact contribution and zeroes it.
+        flush_residual_on_correction: True (the default) adds the residual of an element
+            that is sent exact to its exact contribution and zeroes it; False (the paper's
+            code) leaves the residual untouched there. Measured on the ResNet-20 protocol
+            (4 workers, 2 seeds): True 90.18%, False 89.96%, ssgd 90.27% (docs/cpsgd.md).
         compress_vectors: also compress 1-D parameters (biases, BatchNorm scales). Off by
             default, as in ``compressed``: they are <1% of the elements of typical convnets, and
             their gradients matter more per element; they then always travel in fp32.
@@ -144,7 +146,7 @@ class CPSGD(Algorithm):
     adapt_period: bool = False
     min_period: int = 2
     max_period: int = 32
-    flush_residual_on_correction: bool = False
+    flush_residual_on_correction: bool = True
     compress_vectors: bool = False
     local_update: str = "optimizer"
     local_lr: Optional[float] = None
