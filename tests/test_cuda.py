@@ -6,10 +6,6 @@ reloading onto the GPU, and a short ``lowband train --device cuda`` with a resum
 benchmarks/gpu_check.sh runs these on a GPU machine. None of them has run on one yet."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -18,6 +14,7 @@ from lowband.collectives.communicator import Communicator
 from lowband.compressors import COMPRESSORS, ErrorFeedback, make_compressor
 from lowband.pipeline import make_reducer
 
+from .cli_runs import PAST_WARMUP, train as lowband_train
 from .distributed import run_distributed
 
 pytestmark = [pytest.mark.cuda,
@@ -28,7 +25,6 @@ pytestmark = [pytest.mark.cuda,
 DETERMINISTIC = [("2bit", {"threshold": 0.5}), ("fp16", {}), ("bf16", {}), ("topk", {"ratio": 0.01}),
                  ("none", {})]
 SEGMENTS = [("w1", 37), ("w2", 1000), ("w3", 5)]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -100,19 +96,15 @@ def test_checkpoint_state_reloads_onto_the_gpu(tmp_path):
     torch.set_rng_state(loaded["rng"]["torch"])
 
 
-def _lowband(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
-    return subprocess.run([sys.executable, "-m", "lowband.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
 @pytest.mark.parametrize("workers, backend", [(1, "nccl"), (2, "gloo")])
 def test_train_on_cuda_and_resume(tmp_path, workers, backend):
+    """Past the warm-up (residuals exist), checkpoint, resume onto the GPU, continue."""
     run = str(tmp_path / "run")
-    common = ["train", "--device", "cuda", "--workers", str(workers), "--algorithm", "compressed",
-              "--dataset", "synthetic", "--no-progress", "--run-dir", run, "--checkpoint-every", "2"]
-    first = _lowband(*common, "--max-steps", "2")
+    flags = ["--device", "cuda", "--workers", str(workers), "--algorithm", "compressed", *PAST_WARMUP["compressed"],
+             "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
+             "--checkpoint-every", "4"]
+    first = lowband_train([*flags, "--run-dir", run, "--max-steps", "4"])
     assert first.returncode == 0, first.stderr
     assert f"device cuda:0, backend {backend}" in first.stdout
-    again = _lowband(*common[:-4], "--resume", run, "--checkpoint-every", "2", "--max-steps", "4")
+    again = lowband_train([*flags, "--resume", run, "--max-steps", "8"])
     assert again.returncode == 0, again.stderr
