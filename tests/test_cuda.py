@@ -11,7 +11,7 @@ import torch
 
 from lowband import checkpoint
 from lowband.collectives.communicator import Communicator
-from lowband.compressors import COMPRESSORS, ErrorFeedback, make_compressor
+from lowband.compressors import COMPRESSORS, ErrorFeedback, build_compressor, make_compressor
 from lowband.pipeline import make_reducer
 
 from .cli_runs import PAST_WARMUP, train as lowband_train
@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.cuda,
 DETERMINISTIC = [("2bit", {"threshold": 0.5}), ("fp16", {}), ("bf16", {}), ("topk", {"ratio": 0.01}),
                  ("none", {})]
 SEGMENTS = [("w1", 37), ("w2", 1000), ("w3", 5)]
+#: options of the codecs that have none by default (the others take lowband's)
+OPTIONS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -47,7 +49,7 @@ def test_deterministic_codecs_match_cpu_bit_for_bit(name, options):
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_every_codec_keeps_device_and_dtype(name):
     x = torch.randn(4099, device="cuda")
-    codec = make_compressor(name)
+    codec = build_compressor(name, OPTIONS.get(name, {}), error_feedback=False)
     payload, ctx = codec.compress(x, "t")
     y = codec.decompress(payload, ctx)
     assert y.device == x.device and y.dtype == x.dtype and y.shape == x.shape
