@@ -21,13 +21,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float,
+           backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -36,13 +39,15 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, t
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; returns results by rank.
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0,
+                    backend: str = "gloo") -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks (gloo, or ``backend``);
+    returns results by rank.
     Raises with the failing rank's traceback; never waits longer than ``timeout_s``."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

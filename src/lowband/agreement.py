@@ -136,7 +136,7 @@ def check_replicas(slots: list[tuple[str, int]], comm: Any) -> None:
     which ranks hold which digest."""
     if comm.world_size == 1 or not slots:
         return
-    d = torch.tensor([s for _, s in slots], dtype=torch.int64)
+    d = torch.tensor([s for _, s in slots], dtype=torch.int64, device=comm.device)
     both = torch.cat([d, -d])
     comm.all_reduce(both, op=dist.ReduceOp.MAX)
     n = len(slots)

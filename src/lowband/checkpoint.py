@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import faults
+from .device import to_device
 
 #: 2: the manifest carries SHA-256 digests (format-1 checkpoints cannot be verified, so they
 #: are refused rather than trusted)
@@ -46,6 +47,9 @@ RESUMABLE_CHANGES = frozenset({
     "epochs", "max_steps", "progress", "timeout_s", "run_dir", "eval_every_epoch", "eval_every_steps",
     "checkpoint_every", "keep_checkpoints", "resume", "data_dir", "threads", "nonfinite",
     "max_consecutive_skips", "master_addr",
+    # where the tensors live: state reloads onto the model's device (a run moved between CPU
+    # and GPU continues, though not bit for bit); checkpoints from before --device lack it
+    "device",
 })
 
 
@@ -192,8 +196,12 @@ def verify(run_dir: str, manifest: dict[str, Any]) -> None:
         _read_verified(run_dir, manifest, rank)
 
 
-def load(run_dir: str, rank: int, world_size: int, manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """This rank's state from the latest complete checkpoint, verified against the manifest."""
+def load(run_dir: str, rank: int, world_size: int, manifest: Optional[dict[str, Any]] = None,
+         map_location: Optional[torch.device] = None) -> dict[str, Any]:
+    """This rank's state from the latest complete checkpoint, verified against the manifest.
+    With ``map_location`` (the model's device) every tensor but the RNG states is moved there,
+    so algorithm state (residuals, accumulators, in-flight gradients) is where the next step
+    computes with it; the RNG states stay on the CPU, where ``torch.set_rng_state`` wants them."""
     manifest = manifest or read_manifest(run_dir)
     path, data = _read_verified(run_dir, manifest, rank)
     try:
@@ -204,4 +212,6 @@ def load(run_dir: str, rank: int, world_size: int, manifest: Optional[dict[str, 
             (FORMAT, manifest["step"], rank, world_size):
         raise CheckpointError(f"checkpoint file {path} does not belong to step {manifest['step']} of "
                               f"rank {rank} in a world of {world_size}")
+    if map_location is not None:
+        state = {k: v if k == "rng" else to_device(v, map_location) for k, v in state.items()}
     return state

@@ -19,6 +19,7 @@ from .algorithms import ALGORITHMS, make_algorithm
 from .checkpoint import CheckpointError, check_resumable, read_manifest, verify
 from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from .data import DATASETS, DatasetError, load_dataset
+from .device import DEVICES, resolve as resolve_device
 from .guard import NONFINITE_POLICIES
 from .models import MODELS
 from .tasks import LANGUAGE_MODELS, TASK_DEFAULTS, defaults_for
@@ -71,6 +72,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         f"then decays to 10%% of --lr ({_by_task('lr_schedule')})")
     p.add_argument("--warmup-steps", type=int, default=None, help=f"learning-rate warm-up steps ({_by_task('warmup_steps')})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data order and initial weights (default: %(default)s)")
+    p.add_argument("--device", default=d.device, choices=DEVICES,
+                   help="where model, batches and algorithm state live: cpu, cuda (this rank's GPU: LOCAL_RANK, "
+                        "else rank %% GPUs; NCCL when every local rank has a GPU of its own, else gloo) or auto "
+                        "(cuda if available) (default: %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per worker (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")
@@ -123,6 +128,10 @@ def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run_dir: str,
                      model: Optional[str] = None) -> TrainConfig:
     model = model or args.model
+    try:
+        where = resolve_device(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     # settings the user left unset take the defaults of the model's task (lowband.tasks)
     task = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults_for(model).items()}
     cfg = TrainConfig(
@@ -134,7 +143,7 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         progress=args.progress, nonfinite=args.nonfinite, max_consecutive_skips=args.max_consecutive_skips,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, master_addr=args.master_addr,
-        eval_every_steps=args.eval_every_steps,
+        eval_every_steps=args.eval_every_steps, device=where,
         resume=getattr(args, "resume", None) is not None,
     )
     check_config(cfg)
@@ -301,7 +310,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return e.result.returncode
     print(format_table([row]))
     link = "loopback" if rate is None else f"link {args.bandwidth} per worker, both directions"
-    print(f"run directory: {cfg.run_dir} ({link})")
+    print(f"run directory: {cfg.run_dir} ({link}; device {row.get('device', cfg.device)}, "
+          f"backend {row.get('backend', 'gloo')})")
     return 0
 
 
@@ -393,7 +403,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                "link": "tc tbf on both ends of each worker's veth" if any(r for _, r in links) else "loopback",
                "rows": rows}
     for i, (r, label, rate, cfg, spec) in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label}"
+        print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label} on {cfg.device}"
               + (f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
         try:
             row = run_on_link(cfg, rate)

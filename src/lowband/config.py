@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .data import DEFAULT_DATA_DIR
+from .device import DEVICES
 from .guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, NONFINITE_POLICIES
 from .tasks import check_pairing
 
@@ -53,6 +54,7 @@ class TrainConfig:
     keep_checkpoints: int = 2     # complete checkpoints kept (the newest is what --resume uses)
     resume: bool = False          # continue from run_dir's latest checkpoint
     master_addr: str = "127.0.0.1"  # rendezvous address; loopback keeps every socket local
+    device: str = "cpu"           # "cpu" | "cuda" | "auto" (lowband.device; the CLI resolves auto)
 
     def validate(self) -> None:
         """Raise ValueError with one clear sentence, naming the flag, for the first invalid field."""
@@ -90,6 +92,8 @@ class TrainConfig:
         at_least("--max-skips", self.max_consecutive_skips, 1)
         at_least("--checkpoint-every", self.checkpoint_every, 0)
         at_least("--keep-checkpoints", self.keep_checkpoints, 1)
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of: {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"--master-addr must be a host name or address, got {self.master_addr!r}")
 

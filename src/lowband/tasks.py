@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import TEXT_DATASETS, TextWindows
+from .device import collective_device
 
 #: models that predict the next byte of a text
 LANGUAGE_MODELS = ("gpt",)
@@ -70,10 +71,12 @@ def evaluate(model: nn.Module, data, rank: int, world_size: int, batch_size: int
     for text also ``bits_per_byte``."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     idx = torch.arange(rank, len(data), world_size)
-    totals = torch.zeros(3, dtype=torch.float64)   # correct, loss sum, predictions
+    # correct, loss sum, predictions; where the backend's all-reduce takes them (NCCL: the GPU)
+    totals = torch.zeros(3, dtype=torch.float64, device=collective_device() if world_size > 1 else "cpu")
     for start in range(0, idx.numel(), batch_size):
-        x, y = data.batch(idx[start:start + batch_size])
+        x, y = (t.to(device) for t in data.batch(idx[start:start + batch_size]))
         out = model(x).flatten(0, -2)
         y = y.flatten()
         totals[0] += (out.argmax(1) == y).sum().item()

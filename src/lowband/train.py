@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .data import ShardedBatches, load_dataset
-from . import checkpoint, rendezvous, tasks
+from . import checkpoint, device, rendezvous, tasks
 from .agreement import ReplicaMismatchError
 from .engine import distribute
 from .guard import NonFiniteLossError
@@ -45,10 +45,14 @@ def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_ste
 
 
 def init_process_group(cfg: TrainConfig) -> None:
-    """Join the world described by the standard torch.distributed environment variables."""
+    """Join the world described by the standard torch.distributed environment variables,
+    over NCCL when each local rank has a GPU of its own, else gloo (:mod:`lowband.device`)."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("LOWBAND_BACKEND") == "nccl" else "gloo"
+    local = device.local_world_size(int(os.environ.get("WORLD_SIZE", cfg.workers)))
+    backend = device.backend_for(cfg.device, local)
+    if backend == "nccl":     # the rank's GPU is current before NCCL creates its communicator
+        device.bind(cfg.device, int(os.environ.get("RANK", 0)))
     rendezvous.init_process_group(backend, timedelta(seconds=cfg.timeout_s))
 
 
@@ -96,6 +100,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     exactly the steps the uninterrupted run would have taken."""
     init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = device.bind(cfg.device, rank)
+    on_gpu = dev.type != "cpu"      # decided once: the CPU loop gains no per-step device check
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)          # a run is a function of its config, whichever RNG a step uses
@@ -108,7 +114,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
 
-    model = make_model(cfg.model)
+    model = make_model(cfg.model).to(dev)    # initialised on the CPU: the same weights on every device
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, total_steps)
     engine = distribute(model, optimizer, cfg.algorithm, nonfinite=cfg.nonfinite,
@@ -119,7 +125,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     if cfg.resume:
         manifest = checkpoint.read_manifest(cfg.run_dir)
         checkpoint.check_resumable(manifest, dataclasses.asdict(cfg), world)
-        state = checkpoint.load(cfg.run_dir, rank, world, manifest)
+        state = checkpoint.load(cfg.run_dir, rank, world, manifest, map_location=dev)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
@@ -170,6 +176,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             break
         first = start_in_epoch if epoch == start_epoch else 0
         for in_epoch, (x, y) in enumerate(batches.epoch(epoch, first), start=first):
+            if on_gpu:
+                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             before = engine.stats.snapshot()
             t0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
             optimizer.zero_grad(set_to_none=True)
@@ -232,7 +240,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         summary = {
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
             "algorithm_summary": engine.algorithm.summary(),
-            "workers": world, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
+            "workers": world, "device": str(dev), "backend": dist.get_backend(), "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
             **metrics, **tasks.describe_data(train, test),
             "wall_s": wall, "train_s": train_time,

@@ -523,9 +523,10 @@ def _measurement(flight: _InFlight, grads, local, params) -> torch.Tensor:
     ``flight`` carried; ``local`` are this rank's gradients of that step."""
     masks: dict[int, torch.Tensor] = {}
     buckets = flight.algo.buckets.buckets
+    device = params[0].device     # the gradients' device: the masks index them, the result rides with them
     for bi, lo, hi in flight.ranges:
         if bi not in masks:
-            masks[bi] = torch.zeros(buckets[bi].numel, dtype=torch.bool)
+            masks[bi] = torch.zeros(buckets[bi].numel, dtype=torch.bool, device=device)
         masks[bi][lo:hi] = True
     d = v = n_e = n_c = 0.0
     with torch.no_grad():
@@ -547,4 +548,4 @@ def _measurement(flight: _InFlight, grads, local, params) -> torch.Tensor:
                 n_c += sq.numel() - ex_n
                 v += ex_sum
                 n_e += ex_n
-    return torch.tensor([d, n_c, v, n_e], dtype=torch.float32)
+    return torch.tensor([d, n_c, v, n_e], dtype=torch.float32, device=device)

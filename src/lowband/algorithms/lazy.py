@@ -222,7 +222,8 @@ class LazyUpdate(Algorithm):
         self.buckets = BucketSet(params, regular, int(self.bucket_mb * MIB), self._launch)
         self.acc_of = {i: k for k, i in enumerate(lazy)}        # parameter index -> accumulator
         self.acc = [torch.zeros_like(params[i]) for i in lazy]
-        self.had = torch.zeros(len(lazy), dtype=params[0].dtype if params else torch.float32)
+        self.had = torch.zeros(len(lazy), dtype=params[0].dtype if params else torch.float32,
+                               device=params[0].device if params else None)
         self.probe = plan.slices[-1] if plan is not None and plan.slices else []
         if plan is not None and self._recorder is not None:
             self._recorder.close()

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..device import collective_device
 from .wire import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 
@@ -108,6 +109,9 @@ class Communicator:
         self.time_waits = time_waits
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        #: where this group's collectives take tensors (NCCL: the current GPU), for the few
+        #: tensors lowband allocates itself (checks, counts); cached once per communicator
+        self.device = collective_device(group)
 
     # -- helpers --------------------------------------------------------------------------
     def _finish(self, work, async_op: bool) -> TimedWork:

@@ -65,8 +65,10 @@ def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.nd
     view = buf.view(-1, layout.section)[:, layout.flag_off:layout.section]
     view.zero_()
     if S:
-        value = torch.ones(S, dtype=torch.uint8) if flags is None else torch.from_numpy(flags.astype(np.uint8))
-        view[:, :S] = value.to(buf.device)
+        if flags is None:
+            view[:, :S] = 1
+        else:
+            view[:, :S] = torch.from_numpy(flags.astype(np.uint8)).to(buf.device)
 
 
 def _read_flags(buf: torch.Tensor, layout: ChunkedLayout) -> np.ndarray:

@@ -1,0 +1,112 @@
+"""CUDA checks (``pytest -m cuda``; skipped without a GPU): codecs on CUDA tensors against the
+CPU bit for bit where the codec is deterministic, collectives keeping the input's device and
+dtype (gloo with CUDA tensors at world size 2, NCCL at world size 1), checkpointed state
+reloading onto the GPU, and a short ``lowband train --device cuda`` with a resume.
+
+benchmarks/gpu_check.sh runs these on a GPU machine. None of them has run on one yet."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowband import checkpoint
+from lowband.collectives.communicator import Communicator
+from lowband.compressors import COMPRESSORS, ErrorFeedback, build_compressor, make_compressor
+from lowband.pipeline import make_reducer
+
+from .cli_runs import PAST_WARMUP, train as lowband_train
+from .distributed import run_distributed
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+#: codecs whose output is a function of each element alone (no reduction, no randomness), so
+#: the GPU must reproduce the CPU bit for bit; the others are checked for device and dtype only
+DETERMINISTIC = [("2bit", {"threshold": 0.5}), ("fp16", {}), ("bf16", {}), ("topk", {"ratio": 0.01}),
+                 ("none", {})]
+SEGMENTS = [("w1", 37), ("w2", 1000), ("w3", 5)]
+#: options of the codecs that have none by default (the others take lowband's)
+OPTIONS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("name, options", DETERMINISTIC)
+def test_deterministic_codecs_match_cpu_bit_for_bit(name, options):
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for dev in ("cpu", "cuda"):
+        codec = make_compressor(name, **options)
+        payload, ctx = codec.compress(x.to(dev), "t")
+        y = codec.decompress(payload, ctx)
+        assert y.device.type == dev and y.dtype == x.dtype
+        out[dev] = y
+    assert torch.equal(_bits(out["cpu"]), _bits(out["cuda"]))
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_every_codec_keeps_device_and_dtype(name):
+    x = torch.randn(4099, device="cuda")
+    codec = build_compressor(name, OPTIONS.get(name, {}), error_feedback=False)
+    payload, ctx = codec.compress(x, "t")
+    y = codec.decompress(payload, ctx)
+    assert y.device == x.device and y.dtype == x.dtype and y.shape == x.shape
+
+
+def _reduce_on_cuda(rank: int, world: int):
+    dev = torch.device("cuda", 0)       # one GPU: both gloo ranks share it
+    torch.cuda.set_device(dev)
+    found = []
+    for kind in ("allgather", "two-stage"):
+        red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+        total = sum(n for _, n in SEGMENTS)
+        x = torch.randn(total, generator=torch.Generator().manual_seed(rank)).to(dev)
+        for _ in range(2):
+            y = red.reduce(x, "b", SEGMENTS)
+            found.append((kind, str(y.device), str(y.dtype)))
+        found.append((kind + " residuals", sorted({str(v.device) for v in red.state_dict()["worker"].values()}), ""))
+        red.close()
+    plain = torch.ones(8, device=dev)
+    Communicator().all_reduce(plain)
+    found.append(("all_reduce", str(plain.device), str(float(plain.sum()))))
+    return found
+
+
+def test_gloo_with_cuda_tensors_keeps_device_and_dtype():
+    for rank_result in run_distributed(_reduce_on_cuda, 2):
+        for what, device, dtype in rank_result[:-1]:
+            assert device in ("cuda:0", ["cuda:0"]), (what, device)
+            assert dtype in ("torch.float32", ""), (what, dtype)
+        assert rank_result[-1] == ("all_reduce", "cuda:0", str(8.0 * 2))
+
+
+def test_nccl_world_of_one_keeps_device_and_dtype():
+    result = run_distributed(_reduce_on_cuda, 1, backend="nccl")[0]
+    for what, device, dtype in result[:-1]:
+        assert device in ("cuda:0", ["cuda:0"]), (what, device)
+    assert result[-1] == ("all_reduce", "cuda:0", "8.0")
+
+
+def test_checkpoint_state_reloads_onto_the_gpu(tmp_path):
+    state = {"engine": {"algorithm": {"worker": {"w": torch.randn(5)}}}, "rng": {"torch": torch.get_rng_state()}}
+    checkpoint.save(str(tmp_path), 0, 1, 3, state, {}, lambda d: [d], keep=1)
+    loaded = checkpoint.load(str(tmp_path), 0, 1, map_location=torch.device("cuda", 0))
+    assert loaded["engine"]["algorithm"]["worker"]["w"].device.type == "cuda"
+    assert loaded["rng"]["torch"].device.type == "cpu"
+    torch.set_rng_state(loaded["rng"]["torch"])
+
+
+@pytest.mark.parametrize("workers, backend", [(1, "nccl"), (2, "gloo")])
+def test_train_on_cuda_and_resume(tmp_path, workers, backend):
+    """Past the warm-up (residuals exist), checkpoint, resume onto the GPU, continue."""
+    run = str(tmp_path / "run")
+    flags = ["--device", "cuda", "--workers", str(workers), "--algorithm", "compressed", *PAST_WARMUP["compressed"],
+             "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
+             "--checkpoint-every", "4"]
+    first = lowband_train([*flags, "--run-dir", run, "--max-steps", "4"])
+    assert first.returncode == 0, first.stderr
+    assert f"device cuda:0, backend {backend}" in first.stdout
+    again = lowband_train([*flags, "--resume", run, "--max-steps", "8"])
+    assert again.returncode == 0, again.stderr
