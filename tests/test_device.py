@@ -74,13 +74,6 @@ def test_checkpoint_state_lands_on_the_given_device_and_rng_on_the_cpu(tmp_path)
     assert torch.equal(plain["engine"]["algorithm"]["worker"]["w"], state["engine"]["algorithm"]["worker"]["w"])
 
 
-def test_train_loads_the_checkpoint_onto_the_models_device():
-    import inspect
-    from lowband import train
-    source = inspect.getsource(train.run_worker)
-    assert "map_location=dev" in source and "make_model(cfg.model).to(dev)" in source
-
-
 def test_device_is_a_config_field_that_may_change_on_resume():
     assert TrainConfig().device == "cpu"
     with pytest.raises(ValueError, match="--device"):

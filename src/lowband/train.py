@@ -51,8 +51,6 @@ def init_process_group(cfg: TrainConfig) -> None:
         return
     local = device.local_world_size(int(os.environ.get("WORLD_SIZE", cfg.workers)))
     backend = device.backend_for(cfg.device, local)
-    if backend == "nccl":     # the rank's GPU is current before NCCL creates its communicator
-        device.bind(cfg.device, int(os.environ.get("RANK", 0)))
     rendezvous.init_process_group(backend, timedelta(seconds=cfg.timeout_s))
 
 
@@ -98,9 +96,11 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     """Train one worker's share; rank 0 returns (and writes) the run summary. With
     ``cfg.resume`` the run continues from the latest checkpoint in ``cfg.run_dir``, taking
     exactly the steps the uninterrupted run would have taken."""
+    # the rank's GPU becomes current before NCCL creates its communicator (RANK: the launcher's
+    # and torchrun's environment, the rank the process group takes next)
+    dev = device.bind(cfg.device, int(os.environ.get("RANK", 0)))
     init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = device.bind(cfg.device, rank)
     on_gpu = dev.type != "cpu"      # decided once: the CPU loop gains no per-step device check
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
