@@ -113,6 +113,24 @@ def test_cpsgd_steady_state_is_max_of_compute_and_codec_plus_comm(bandwidth):
     assert est.step_s <= sync.step_s + prof.optimizer_s
 
 
+def test_cpsgd_charges_the_fused_pass_where_the_profile_measured_it():
+    """Compute-bound (fast link, codec on its own processor): the step is forward + backward +
+    the local-update work on the training thread: the profile's fused native pass when it
+    measured one, else the global step plus the tentative step (LOCAL_UPDATE_COST)."""
+    import dataclasses
+    from lowband.perf.model import LOCAL_UPDATE_COST
+    prof = make_profile([100_000], [0.03], forward=0.015, optimizer=0.002, codec=_codec(), shares=False)
+    cluster = Cluster(2, Network(100 * GBIT, 0.0))
+    opts = {"correction_period": None, "bucket_mb": 64}
+    plain = estimate(prof, "cpsgd", opts, cluster)
+    assert plain.step_s == pytest.approx(0.045 + 0.002 * (1 + LOCAL_UPDATE_COST["optimizer"]), rel=1e-6)
+    fused = estimate(dataclasses.replace(prof, fused_update_s=0.0007), "cpsgd", opts, cluster)
+    assert fused.step_s == pytest.approx(0.045 + 0.0007, rel=1e-6)
+    # local_update="sgd" is not what the fused pass implements: it keeps the generic cost
+    sgd = estimate(dataclasses.replace(prof, fused_update_s=0.0007), "cpsgd", {**opts, "local_update": "sgd"}, cluster)
+    assert sgd.step_s == pytest.approx(0.045 + 0.002 * (1 + LOCAL_UPDATE_COST["sgd"]), rel=1e-6)
+
+
 def test_cpsgd_burst_correction_costs_one_fp32_allreduce_per_period_when_network_bound():
     numel, n, k = 1_000_000, 4, 5
     prof = make_profile([numel], [0.0], forward=0.0, optimizer=0.0, codec=CodecInfo(1e6, 1e6, payload_ratio=1 / 16),
@@ -213,6 +231,10 @@ def test_measured_profile_round_trips(tmp_path):
     prof.save(str(path))
     back = load_profile(str(path))
     assert back.params == prof.params and back.codecs["1bit"].payload_ratio == pytest.approx(1 / 32)
+    from lowband.compressors import kernels
+    if kernels.library() is not None:      # plain SGD on CPU: the fused pass is what cpsgd runs
+        assert back.fused_update_s is not None and 0 < back.fused_update_s < prof.optimizer_s * 5
+    assert back.codecs["1bit"].encode_gbps > 0 and "bucket-level" in back.codecs["1bit"].note  # native: as the collectives run it
 
 
 def test_parse_latency():

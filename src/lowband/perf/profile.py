@@ -10,10 +10,14 @@ A profile is a small JSON document (``FORMAT``):
   ready gradient (the first: from the start of backward) to this one; ``backward_tail_s`` is
   what autograd spends after the last gradient is ready;
 * ``forward_s`` (forward plus loss) and ``optimizer_s`` (one ``optimizer.step()``) at
-  ``batch_size`` samples per worker;
+  ``batch_size`` samples per worker; ``fused_update_s`` (optional): CP-SGD's global SGD step
+  plus its look-ahead tentative step as the one native pass lowband runs on CPU with plain SGD
+  (``FusedSGDStep``), where it was measured;
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
-  input, i.e. ``4 * numel / seconds``) plus a fixed cost per call, and the payload size as a
-  ratio of the fp32 bytes plus a fixed number of bytes per call;
+  input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),
+  and the payload size as a ratio of the fp32 bytes plus a fixed number of bytes per call.
+  Measured through the bucket-level codec the collectives run (one call per bucket; native
+  kernels where the codec has them), so a segment's "call" is its share of that call;
 * ``codec_shares_compute``: whether codec work competes with forward/backward for the same
   processor (true on CPU workers: lowband's background compression thread runs on the
   worker's core; false where the codec has a processor of its own);
@@ -112,6 +116,7 @@ class Profile:
     backward_s: list[float]
     backward_tail_s: float = 0.0
     buffer_bytes: int = 0
+    fused_update_s: Optional[float] = None
     codecs: dict[str, CodecInfo] = field(default_factory=dict)
     codec_shares_compute: bool = True
     source: str = ""
@@ -185,7 +190,8 @@ class Profile:
             raise ProfileError(f"{where}: ready_order must be a permutation of the {n} parameters")
         if len(self.backward_s) != n:
             raise ProfileError(f"{where}: backward_s has {len(self.backward_s)} entries for {n} parameters")
-        if self.batch_size < 1 or min([self.forward_s, self.optimizer_s, self.backward_tail_s, *self.backward_s]) < 0:
+        if self.batch_size < 1 or min([self.forward_s, self.optimizer_s, self.backward_tail_s, *self.backward_s,
+                                       self.fused_update_s or 0.0]) < 0:
             raise ProfileError(f"{where}: times must be >= 0 and batch_size >= 1")
         for name, c in self.codecs.items():
             if not (c.encode_gbps > 0 and c.decode_gbps > 0):
@@ -262,6 +268,7 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
             ready.append([s - t1 for s in stamps])
     for h in hooks:
         h.remove()
+    fused_s = _fused_update_s(opt, [p for _, p in named], reps)
     med_ready = [_median([row[i] for row in ready]) for i in range(len(named))]
     order = sorted(range(len(named)), key=lambda i: med_ready[i])
     backward_s, prev = [], 0.0
@@ -271,7 +278,23 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     buffers = sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
     return {"params": params, "ready_order": order, "backward_s": backward_s,
             "backward_tail_s": max(0.0, _median(bwd_end) - prev), "forward_s": _median(fwd),
-            "optimizer_s": _median(opt_t), "buffer_bytes": int(buffers)}
+            "optimizer_s": _median(opt_t), "buffer_bytes": int(buffers), "fused_update_s": fused_s}
+
+
+def _fused_update_s(opt, params: list, reps: int) -> Optional[float]:
+    """Median time of CP-SGD's fused global step + tentative step (``FusedSGDStep``) on
+    ``params`` with optimizer ``opt``; None where lowband would not use it (not plain SGD,
+    no native library...)."""
+    import torch
+    from ..algorithms.local_update import FusedSGDStep
+    if FusedSGDStep.unavailable(opt, params) is not None:
+        return None
+    fused = FusedSGDStep(opt, params)
+    W = [p.detach().clone() for p in params]
+    G = [torch.randn_like(p) * 1e-3 for p in params]
+    g = [torch.randn_like(p) * 1e-3 for p in params]
+    w = [torch.empty_like(p) for p in params]
+    return _time(lambda: fused.step(W, G, g, w), max(reps, 20))   # (moves opt's momentum: run last)
 
 
 def _time(fn, reps: int) -> float:
@@ -290,43 +313,77 @@ PROFILE_CODEC_OPTIONS: dict[str, dict[str, Any]] = {"topk": {"ratio": 0.01}, "ra
 
 def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
     """Encode (with error feedback) and decode costs of one compressor, as lowband's algorithms
-    build it (``build_compressor``), on the model's parameter sizes as separate calls (the
-    collectives compress each parameter as its own segment) and on one flat tensor of the same
-    total size: the difference gives the fixed cost per call, the flat run the throughput."""
+    build it (``build_compressor``), on the model's parameter sizes as separate segments and on
+    one flat tensor of the same total size: the difference gives the fixed cost per segment,
+    the flat run the throughput.
+
+    Codecs with native kernels (2-bit, 1-bit) are timed through the bucket-level codec the
+    collectives run (:class:`lowband.compressors.bucket.BucketCodec`, all-gather layout: one
+    call per bucket). The others are timed per tensor (``compress`` / ``decompress``): the
+    bucket codec's torch fallback makes the same calls per segment, and the model also uses
+    ``fp16`` and ``powersgd`` to approximate DDP's own hooks, which cast and multiply per tensor
+    without lowband's layout."""
     import torch
     from ..compressors import build_compressor
+    from ..compressors.bucket import native_kind
+    from ..compressors.error_feedback import ErrorFeedback
 
     options = PROFILE_CODEC_OPTIONS.get(name, {})
     total = int(sum(sizes))
     gen = torch.Generator().manual_seed(0)
     flat = torch.randn(total, generator=gen) * 1e-3
-    segments = list(torch.split(flat, list(sizes)))
-
-    def encode(tensors, codec):
-        return [codec.compress(t, f"s{i}") for i, t in enumerate(tensors)]
-
-    def run(tensors):
-        codec = build_compressor(name, options, error_feedback=True)
-        encoded = encode(tensors, codec)
-        t_enc = _time(lambda: encode(tensors, codec), reps)
-        t_dec = _time(lambda: [codec.decompress(pl, ctx) for pl, ctx in encoded], reps)
-        return t_enc, t_dec
-
-    enc_seg, dec_seg = run(segments)
-    enc_flat, dec_flat = run([flat])
+    codec = build_compressor(name, options, error_feedback=True)
+    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
+    bucket_level = native_kind(inner) is not None
+    run = _time_bucket_codec if bucket_level else _time_codec_per_tensor
+    enc_seg, dec_seg = run(name, options, flat, list(sizes), reps)
+    enc_flat, dec_flat = run(name, options, flat, [total], reps)
     n = len(sizes)
     enc_call = max(0.0, (enc_seg - enc_flat) / (n - 1)) if n > 1 else 0.0
     dec_call = max(0.0, (dec_seg - dec_flat) / (n - 1)) if n > 1 else 0.0
     nbytes = 4.0 * total
-    codec = build_compressor(name, options, error_feedback=True)
     big, small = max(total, 1 << 20), 1024
     p_big, p_small = codec.payload_nbytes(big), codec.payload_nbytes(small)
     ratio = (p_big - p_small) / (4.0 * (big - small))
+    how = "bucket-level codec (native kernels)" if bucket_level else "per tensor"
     return CodecInfo(encode_gbps=nbytes / max(1e-9, enc_flat - enc_call) / 1e9,
                      decode_gbps=nbytes / max(1e-9, dec_flat - dec_call) / 1e9,
                      encode_call_s=enc_call, decode_call_s=dec_call, payload_ratio=ratio,
                      payload_fixed_bytes=max(0.0, p_small - ratio * 4 * small),
-                     note=f"build_compressor({name!r}, {options}, error_feedback=True)")
+                     note=f"build_compressor({name!r}, {options}, error_feedback=True), {how}")
+
+
+def _time_bucket_codec(name: str, options: dict, flat, sizes: list[int], reps: int) -> tuple[float, float]:
+    """(encode, decode) seconds of one all-gather-layout bucket of segments ``sizes``."""
+    import torch
+    from ..collectives.compressed import make_plan
+    from ..compressors import build_compressor
+    from ..compressors.error_feedback import ErrorFeedback
+    codec = build_compressor(name, options, error_feedback=True)
+    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
+    plan = make_plan("allgather", 1, 0, [(f"s{i}", int(n)) for i, n in enumerate(sizes)], inner)
+    send = torch.zeros(plan.layout.section, dtype=torch.uint8)
+    e = torch.zeros(plan.numel, dtype=torch.float32)
+    out = torch.empty(plan.numel, dtype=torch.float32)
+    t_enc = _time(lambda: plan.worker.encode(flat, e, send, None), reps)
+    t_dec = _time(lambda: plan.worker.decode(send, 1, plan.dec, plan.dec_table, out, True, 1.0), reps)
+    return t_enc, t_dec
+
+
+def _time_codec_per_tensor(name: str, options: dict, flat, sizes: list[int], reps: int) -> tuple[float, float]:
+    """(encode, decode) seconds of ``compress`` / ``decompress`` of each of ``sizes``' tensors."""
+    import torch
+    from ..compressors import build_compressor
+    tensors = list(torch.split(flat, sizes))
+    codec = build_compressor(name, options, error_feedback=True)
+
+    def encode():
+        return [codec.compress(t, f"s{i}") for i, t in enumerate(tensors)]
+
+    encoded = encode()
+    t_enc = _time(encode, reps)
+    t_dec = _time(lambda: [codec.decompress(pl, ctx) for pl, ctx in encoded], reps)
+    return t_enc, t_dec
 
 
 def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str]] = None, reps: int = 20,
@@ -346,7 +403,8 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
     return Profile(
         model=model_name, batch_size=batch_size, forward_s=c["forward_s"], optimizer_s=c["optimizer_s"],
         params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
-        backward_tail_s=c["backward_tail_s"], buffer_bytes=c["buffer_bytes"], codecs=infos,
+        backward_tail_s=c["backward_tail_s"], buffer_bytes=c["buffer_bytes"],
+        fused_update_s=c["fused_update_s"], codecs=infos,
         codec_shares_compute=True,
         source=f"measured by `lowband profile --model {model_name} --batch-size {batch_size}` "
                f"(median of {reps} steps, {threads} thread(s), torch {torch.__version__})",
