@@ -155,7 +155,7 @@ def _pipelined_nan_run(rank: int, world: int, bad_step: int, steps: int):
             deferred.append(engine.guard.pending)
         engine.synchronize()
     except lowband.NonFiniteGradientError as e:
-        W = engine.algorithm.W
+        W = engine.bound.W
         return {"step": e.step, "bad": e.bad, "raised_at": len(deferred) + 1, "deferred": deferred,
                 "global_finite": all(bool(torch.isfinite(w).all()) for w in W)}
     return {"no error": True}

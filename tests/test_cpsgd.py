@@ -225,8 +225,8 @@ def _run_recording(rank: int, world: int, options: dict, steps: int = STEPS):
         opt.zero_grad()
         F.cross_entropy(engine.module(x), y).backward()
         engine.step()
-        engine.algorithm.global_parameters()
-        log.append((engine.stats.bytes_sent - before, engine.algorithm.step_metrics()))
+        engine.bound.global_parameters()
+        log.append((engine.stats.bytes_sent - before, engine.bound.step_metrics()))
         before = engine.stats.bytes_sent
     engine.synchronize()
     engine.close()
@@ -289,12 +289,12 @@ def _unused(rank: int, world: int, options: dict):
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x, use_partial=rank == 0), y).backward()
         engine.step()
-        W = engine.algorithm.global_parameters() or list(model.parameters())
+        W = engine.bound.global_parameters() or list(model.parameters())
         names = [n for n, _ in model.named_parameters()]
         for n, p, g in zip(names, model.parameters(), W):
             if n.startswith("unused."):
-                assert p.grad is None, (n, engine.algorithm.t)
-                assert torch.equal(p.detach(), start[n]) and torch.equal(g, start[n]), (n, engine.algorithm.t)
+                assert p.grad is None, (n, engine.bound.t)
+                assert torch.equal(p.detach(), start[n]) and torch.equal(g, start[n]), (n, engine.bound.t)
         seen.append({n: g.detach().clone() for n, g in zip(names, W) if n.startswith("partial.")})
     engine.synchronize()
     engine.close()
@@ -324,7 +324,7 @@ def _native_or_torch(rank: int, world: int, mode: str):
     model = SmallNet()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, nesterov=True, weight_decay=1e-3)
     engine = lowband.distribute(model, opt, "cpsgd", warmup_steps=2, correction_period=3, bucket_mb=BUCKET_MB)
-    fused = engine.algorithm.fused_step is not None
+    fused = engine.bound.fused_step is not None
     it = batches(rank, world).epoch(0)
     for _ in range(STEPS):
         x, y = next(it)

@@ -39,7 +39,7 @@ def _run(rank, world, algorithm, options, inject_error_at=None, drain_at=()):
             if step == inject_error_at:
                 # the process group reports an error, as after a failed all-reduce: torchft
                 # then votes against the commit and resets the parameters
-                manager = engine.algorithm._manager
+                manager = engine.bound._manager
                 manager._pg.errored = lambda: RuntimeError("injected")
                 manager._max_retries = None   # so that lowband's own count of commits must catch it
             engine.step()
@@ -49,7 +49,7 @@ def _run(rank, world, algorithm, options, inject_error_at=None, drain_at=()):
                     engine.module.eval()
                     engine.module(x)
                     engine.module.train()
-            commits.append(engine.algorithm.step_metrics()["commits"])
+            commits.append(engine.bound.step_metrics()["commits"])
     except CommitFailed as e:
         engine.close()
         return str(e)

@@ -149,7 +149,7 @@ def _train(rank, world, make_model, algorithm, options, steps=STEPS):
             opt.zero_grad()
             F.cross_entropy(engine.module(x).flatten(0, 1), y.flatten()).backward()
             engine.step()
-            metrics.append(engine.algorithm.step_metrics())
+            metrics.append(engine.bound.step_metrics())
     else:
         it = batches(rank, world).epoch(0)
         for _ in range(steps):
@@ -157,9 +157,9 @@ def _train(rank, world, make_model, algorithm, options, steps=STEPS):
             opt.zero_grad()
             F.cross_entropy(engine.module(x), y).backward()
             engine.step()
-            metrics.append(engine.algorithm.step_metrics())
+            metrics.append(engine.bound.step_metrics())
     engine.synchronize()
-    summary = engine.algorithm.summary()
+    summary = engine.bound.summary()
     engine.close()
     return params_of(model), metrics, summary
 
@@ -328,7 +328,7 @@ def _tau_at_n1(group) -> list[tuple[int, int]]:
             for p, v in zip(probe, grads):
                 p.grad = v.clone()
         engine.step()
-        return engine.algorithm.tau
+        return engine.bound.tau
 
     assert step() == 2
     out = []

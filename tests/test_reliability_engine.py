@@ -70,7 +70,7 @@ def _run(rank: int, world: int, algorithm: str, evaluate: bool) -> dict:
     except ReplicaMismatchError as e:
         mismatch = str(e)
     gm = engine.global_model()
-    cp_global = getattr(engine.algorithm, "global_weights", None)
+    cp_global = getattr(engine.bound, "global_weights", None)
     cp_global = None if cp_global is None else [w.clone() for w in cp_global]
     engine.synchronize()
     # read after synchronize: with a pipelined step in flight the byte count depends on how far

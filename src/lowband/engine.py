@@ -42,6 +42,9 @@ class Engine:
     ``engine.global_model()``, a copy of the global model that leaves training untouched;
     ``engine.synchronize()`` makes the training model itself global (at the end of training:
     for some algorithms it is a step outside their schedule).
+
+    ``engine.algorithm`` is the configuration it was given (unchanged); ``engine.bound`` is
+    that algorithm bound to this engine, with all its state (``Algorithm.bind``).
     """
 
     def __init__(
@@ -75,11 +78,13 @@ class Engine:
         self.aux_stats = CommStats()
         self._broadcast_initial_state()
         self.ctx = EngineContext(model=model, optimizer=optimizer, names=self.names, params=self.params, comm=self.comm)
-        algorithm.bind(self.ctx)
-        self.module = algorithm.wrap_module(model)
+        #: the algorithm bound to this engine (its state); ``algorithm`` stays configuration
+        self.bound = algorithm.bind(self.ctx)
+        bound = self.bound
+        self.module = bound.wrap_module(model)
         self._hooks = []
-        self._forward = algorithm.on_gradient_ready if algorithm.uses_gradient_hooks else None
-        if algorithm.uses_gradient_hooks or self.guard.active:
+        self._forward = bound.on_gradient_ready if bound.uses_gradient_hooks else None
+        if bound.uses_gradient_hooks or self.guard.active:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
@@ -142,14 +147,14 @@ class Engine:
         if self.guard.active:
             step = self.comm.stats.steps + 1
             with self._waiting():
-                if self.guard.policy == "raise" and self.algorithm.gradients_applied_late():
+                if self.guard.policy == "raise" and self.bound.gradients_applied_late():
                     self.guard.start(step)   # settles the previous step's deferred decision first
                 elif not self.guard.check(step):
                     self.comm.stats.steps += 1
                     self.comm.stats.skipped_steps += 1
                     return False
             self.guard.replay(self._forward)
-        self.algorithm.step()
+        self.bound.step()
         self.comm.stats.steps += 1
         return True
 
@@ -163,7 +168,7 @@ class Engine:
         BatchNorm normalises with batch statistics, so the running averages only matter when
         the model is evaluated or saved."""
         self._settle_guard()
-        self.algorithm.drain()
+        self.bound.drain()
         floats = [b for b in self.model.buffers() if b.is_floating_point()]
         if floats and self.comm.world_size > 1:
             with torch.no_grad():
@@ -193,7 +198,7 @@ class Engine:
         self._settle_guard()
         model = _copy_without_hooks(self.model)
         with torch.no_grad(), self._counted_apart():
-            values = self.algorithm.global_parameters()
+            values = self.bound.global_parameters()
             if values is not None:
                 own = dict(model.named_parameters())
                 for name, v in zip(self.names, values):
@@ -211,7 +216,7 @@ class Engine:
         weights and, where the algorithm replicates it, the optimizer state), naming the first
         differing parameter. Collective; costs one all-reduce of 4 int64 per parameter."""
         self._settle_guard()
-        values, optimizer_replicated = self.algorithm.replicated_state()
+        values, optimizer_replicated = self.bound.replicated_state()
         slots = []
         for i, (name, p) in enumerate(zip(self.names, self.params)):
             slots.append((f"values of parameter {name!r}", ABSENT if values is None else state_digest(values[i])))
@@ -231,7 +236,7 @@ class Engine:
         return {
             "version": STATE_VERSION,
             "algorithm_config": self.algorithm.config(),
-            "algorithm": self.algorithm.state_dict(),
+            "algorithm": self.bound.state_dict(),
             "consecutive_skips": self.guard.consecutive_skips,
             "stats": self.comm.stats.snapshot(),
         }
@@ -242,7 +247,7 @@ class Engine:
         saved = state["algorithm_config"]
         if saved != self.algorithm.config():
             raise ValueError(f"checkpoint was written by {saved}, but this engine runs {self.algorithm.config()}")
-        self.algorithm.load_state_dict(state["algorithm"])
+        self.bound.load_state_dict(state["algorithm"])
         self.guard.consecutive_skips = int(state["consecutive_skips"])
         self.comm.stats.load(state["stats"])
 
@@ -265,7 +270,7 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self.algorithm.close()
+        self.bound.close()
 
 
 def distribute(

@@ -206,7 +206,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                 "bytes_sent": after.bytes_sent - before["bytes_sent"],
                 "bytes_received": after.bytes_received - before["bytes_received"],
                 "lr": optimizer.param_groups[0]["lr"], "skipped": not applied,
-                **engine.algorithm.step_metrics(),
+                **engine.bound.step_metrics(),
             })
             if progress is not None:
                 progress.update(1)
@@ -239,7 +239,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     if rank == 0:
         summary = {
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
-            "algorithm_summary": engine.algorithm.summary(),
+            "algorithm_summary": engine.bound.summary(),
             "workers": world, "device": str(dev), "backend": dist.get_backend(), "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
             **metrics, **tasks.describe_data(train, test),

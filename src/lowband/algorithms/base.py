@@ -18,8 +18,12 @@ The hooks are deliberately few but enough for the two lowband methods:
   decides per parameter what ``on_gradient_ready`` does and which gradients reach the
   optimizer (``p.grad = None`` makes torch optimizers skip a parameter).
 
-An algorithm object is configuration until :meth:`bind` attaches it to a model, optimizer and
-process group; its ``config()`` is what ranks must agree on.
+Configuration and bound state are two objects (as Bagua's ``Algorithm`` / ``AlgorithmImpl``):
+an :class:`Algorithm` is a dataclass of documented knobs and nothing else (``config()`` is what
+ranks must agree on); :meth:`Algorithm.bind` attaches it to a model, optimizer and process
+group and returns a new :class:`BoundAlgorithm` that holds every buffer, thread, counter and
+residual and is what the engine drives. Binding never changes the configuration, so one
+configuration can bind several engines, one after the other or side by side.
 """
 from __future__ import annotations
 
@@ -57,25 +61,41 @@ class EngineContext:
 
 
 class Algorithm(ABC):
-    """Base class for data-parallel algorithms. Subclasses are dataclasses whose fields are
-    the documented knobs; ``name`` is the registry name used by the CLI."""
+    """Base class for data-parallel algorithms' configuration. Subclasses are dataclasses
+    whose fields are the documented knobs; ``name`` is the registry name used by the CLI.
+    Validation of the knobs belongs in ``__post_init__``; state belongs in the bound object."""
 
     name: ClassVar[str] = "base"
-    #: whether the engine should call :meth:`on_gradient_ready` during backward
-    uses_gradient_hooks: ClassVar[bool] = True
 
     def config(self) -> dict[str, Any]:
         """The knobs, as plain data (logged, and compared across ranks)."""
         cfg = dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
         return {"algorithm": self.name, **{k: v for k, v in cfg.items() if not k.startswith("_")}}
 
+    @abstractmethod
+    def bind(self, ctx: EngineContext) -> "BoundAlgorithm":
+        """This configuration attached to a model, optimizer and process group: a new object
+        that allocates the buffers and state (the configuration is not changed)."""
+
+
+class BoundAlgorithm(ABC):
+    """An algorithm bound to one engine: ``cfg`` (its :class:`Algorithm`, read only) and
+    ``ctx``, plus whatever state the algorithm keeps. The engine calls these methods."""
+
+    #: whether the engine should call :meth:`on_gradient_ready` during backward
+    uses_gradient_hooks: ClassVar[bool] = True
+
+    def __init__(self, cfg: Algorithm, ctx: EngineContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
     def wrap_module(self, model: nn.Module) -> nn.Module:
         """The module the user should call for forward (peers such as DDP wrap it)."""
         return model
-
-    @abstractmethod
-    def bind(self, ctx: EngineContext) -> None:
-        """Attach to a model/optimizer/process group; allocate buffers and state."""
 
     def on_gradient_ready(self, index: int) -> None:
         """``ctx.params[index].grad`` has just been accumulated during backward."""

@@ -12,7 +12,7 @@ from ..collectives.compressed import COLLECTIVE_CHOICES
 from ..collectives.wire import MIB
 from ..compressors import COMPRESSORS, build_compressor
 from ..pipeline import CompressedReducer, Handle, make_reducer
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup
 from .buckets import Bucket, BucketSet
 
@@ -85,25 +85,35 @@ class CompressedSGD(Algorithm):
                                 self.bucket_mb, self.error_feedback)
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"compressed: warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        self.steps_done = 0
 
-    def bind(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
-        codec = build_compressor(self.compressor, self.compressor_options, self.error_feedback)
-        self.reducer: CompressedReducer = make_reducer(self.collective, ctx.comm, codec)
-        dense = {i for i in range(len(ctx.params)) if self.compress_vectors or ctx.params[i].dim() > 1}
-        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch,
+    def bind(self, ctx: EngineContext) -> "BoundCompressedSGD":
+        return BoundCompressedSGD(self, ctx)
+
+
+class BoundCompressedSGD(BoundAlgorithm):
+    """Synchronous compressed SGD bound to one engine: buckets, reducer (residuals), step count."""
+
+    cfg: CompressedSGD
+
+    def __init__(self, cfg: CompressedSGD, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
+        self.steps_done = 0
+        self.warmup = Warmup(cfg.warmup_steps)
+        codec = build_compressor(cfg.compressor, cfg.compressor_options, cfg.error_feedback)
+        self.reducer: CompressedReducer = make_reducer(cfg.collective, ctx.comm, codec)
+        dense = {i for i in range(len(ctx.params)) if cfg.compress_vectors or ctx.params[i].dim() > 1}
+        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(cfg.bucket_mb * MIB), self._launch,
                                  key=lambda i: "compressed" if i in dense else "fp32")
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
 
     def _launch(self, b: Bucket) -> Handle:
         key, segments, present = f"bucket{b.index}", self.segments[b.index], b.flags > 0
-        if b.key == "fp32" or Warmup(self.warmup_steps).active(self.steps_done):
+        if b.key == "fp32" or self.warmup.active(self.steps_done):
             return self.reducer.start_full_precision(b.grads, key, segments, present=present)
         return self.reducer.start(b.grads, key, segments, present=present)
 
     def on_gradient_ready(self, index: int) -> None:
-        self.buckets.mark_ready(index, overlap=self.overlap)
+        self.buckets.mark_ready(index, overlap=self.cfg.overlap)
 
     def step(self) -> None:
         self.buckets.launch_remaining()

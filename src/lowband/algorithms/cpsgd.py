@@ -46,7 +46,7 @@ import torch
 from ..collectives.wire import MIB
 from ..compressors import build_compressor
 from ..pipeline import make_collective
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs
 from .local_update import FusedSGDStep, TentativeStep, param_group_of
@@ -176,29 +176,39 @@ class CPSGD(Algorithm):
         if self.local_lr is not None and not (isinstance(self.local_lr, (int, float)) and self.local_lr >= 0):
             raise ValueError(f"cpsgd: local_lr must be a number >= 0 or None, got {self.local_lr!r}")
 
+    def bind(self, ctx: EngineContext) -> "BoundCPSGD":
+        return BoundCPSGD(self, ctx)
+
+
+class BoundCPSGD(BoundAlgorithm):
+    """CP-SGD bound to one engine: the reducer (residuals), the global and compute weights,
+    the step in flight, the correction cycle and the adaptive period's statistics."""
+
+    cfg: CPSGD
+
     # -- setup ---------------------------------------------------------------------------
-    def bind(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
-        codec = build_compressor(self.compressor, self.compressor_options, error_feedback=True)
-        self.reducer = make_collective(self.collective, ctx.comm, codec)
+    def __init__(self, cfg: CPSGD, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
+        codec = build_compressor(self.cfg.compressor, self.cfg.compressor_options, error_feedback=True)
+        self.reducer = make_collective(self.cfg.collective, ctx.comm, codec)
         start = inspect.signature(self.reducer.start).parameters
         # the CONTRACT's exact= / present= when the reducer has them; else a side channel:
         # exact shares and per-parameter flags in one fp32 all-reduce per step on the same queue
         self.native = "exact" in start and "present" in start
-        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
+        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.cfg.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         # element ranges of 1-D parameters, per bucket: always averaged exactly (unless compress_vectors)
-        self.vector_ranges = [[] if self.compress_vectors else
+        self.vector_ranges = [[] if self.cfg.compress_vectors else
                               [(o, o + ctx.params[i].numel()) for i, o in zip(b.param_indices, b.offsets)
                                if ctx.params[i].dim() <= 1] for b in self.buckets.buckets]
-        if self.flush_residual_on_correction and self.correction == "spread" and not self.native:
+        if self.cfg.flush_residual_on_correction and self.cfg.correction == "spread" and not self.native:
             raise ValueError("cpsgd: flush_residual_on_correction with the spread correction needs a reducer "
                              "with start(..., exact=, flush_exact=)")
-        self.warmup = Warmup(self.warmup_steps)
-        self.controller = PeriodController(self.min_period, self.max_period)
+        self.warmup = Warmup(self.cfg.warmup_steps)
+        self.controller = PeriodController(self.cfg.min_period, self.cfg.max_period)
         self.tentative = TentativeStep(ctx.optimizer, ctx.params)
         # the global step and the look-ahead local update in one native pass, where possible
-        self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.local_update != "optimizer"
+        self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.cfg.local_update != "optimizer"
                                        else FusedSGDStep.unavailable(ctx.optimizer, ctx.params))
         self.fused_step = None if self.fused_step_unavailable else FusedSGDStep(ctx.optimizer, ctx.params)
         self.group_of = param_group_of(ctx.optimizer, ctx.params)
@@ -206,8 +216,8 @@ class CPSGD(Algorithm):
         self.W = [torch.empty_like(p) for p in ctx.params]       # global weights, while pipelining
         self._eval: Optional[list[torch.Tensor]] = None
         self.t = 0                          # steps completed (the agreed step counter)
-        self.period = self.correction_period
-        self.cycle_start = self.warmup_steps
+        self.period = self.cfg.correction_period
+        self.cycle_start = self.cfg.warmup_steps
         self.pipelining = False             # W holds the global weights, w the compute weights
         self.in_flight: Optional[_InFlight] = None
         self.corrections = 0                # steps that sent anything exact after the warm-up
@@ -229,13 +239,13 @@ class CPSGD(Algorithm):
         return (t - self.cycle_start) % self.period
 
     def is_burst(self, t: int) -> bool:
-        return self.correction == "burst" and self.phase(t) == 0
+        return self.cfg.correction == "burst" and self.phase(t) == 0
 
     def exact_range(self, b: Bucket, t: int) -> Optional[tuple[int, int]]:
         """The elements of bucket ``b`` averaged exactly at step ``t`` under the spread
         correction (None: none)."""
         j = self.phase(t)
-        if self.correction != "spread" or j is None:
+        if self.cfg.correction != "spread" or j is None:
             return None
         lo, hi = share_bounds(b.numel, self.period, j)
         return (lo, hi) if hi > lo else None
@@ -252,7 +262,7 @@ class CPSGD(Algorithm):
         flight = self._launching
         present = b.flags > 0
         if self.is_burst(t):
-            flush = self.flush_residual_on_correction
+            flush = self.cfg.flush_residual_on_correction
             flight.ranges.append((b.index, 0, b.numel))
             if self.native:
                 return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush, present=present)
@@ -265,7 +275,7 @@ class CPSGD(Algorithm):
             flight.add_exact(b, exact, take=not self.native)
         if self.native:
             return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
-                                      flush_exact=self.flush_residual_on_correction)
+                                      flush_exact=self.cfg.flush_residual_on_correction)
         flight.add_flags(b)
         return self.reducer.start(b.grads, key, segs)
 
@@ -302,10 +312,10 @@ class CPSGD(Algorithm):
                 if averaged is not None:
                     self._step_global(averaged)
                 self._local_update(local_grads)
-            if self.adapt_period:
+            if self.cfg.adapt_period:
                 self._prev_local = [None if g is None else g.detach().clone() for g in local_grads]
             self.in_flight = flight
-            if self.phase(t) is not None and (self.correction == "spread" or self.is_burst(t)):
+            if self.phase(t) is not None and (self.cfg.correction == "spread" or self.is_burst(t)):
                 self.corrections += 1
         self._launching = None
         self._last_phase, self._last_period = self.phase(t), self.period
@@ -320,7 +330,7 @@ class CPSGD(Algorithm):
         if self.period is None or self.in_warmup(t) or t - self.cycle_start < self.period:
             return
         self.cycle_start = t
-        if self.adapt_period:
+        if self.cfg.adapt_period:
             self.period = self.controller.decide(self.period, *self._stats, world=self.ctx.world_size)
             self._stats = [0.0, 0.0, 0.0, 0.0]
 
@@ -337,7 +347,7 @@ class CPSGD(Algorithm):
     def _global_gradients(self, flight: "_InFlight") -> list[Optional[torch.Tensor]]:
         """The step's averaged gradients (waited for), with the adaptive rule's bookkeeping."""
         grads = flight.result()
-        if self.adapt_period and self._prev_local is not None:
+        if self.cfg.adapt_period and self._prev_local is not None:
             self._measure = _measurement(flight, grads, self._prev_local, self.ctx.params)
         if flight.measure is not None:                  # agreed (averaged) sums
             for i, x in enumerate(flight.measure.tolist()):
@@ -349,16 +359,16 @@ class CPSGD(Algorithm):
 
     def _local_update(self, local_grads: list[Optional[torch.Tensor]]) -> None:
         """w <- local_update(W, g_t); the model then holds w."""
-        if self.local_update == "optimizer":
+        if self.cfg.local_update == "optimizer":
             self.tentative.step(self.W, local_grads, self.w)
             return
         torch._foreach_copy_(self.w, self.W)
-        if self.local_update == "sgd":
+        if self.cfg.local_update == "sgd":
             groups = self.ctx.optimizer.param_groups
             with torch.no_grad():
                 for w, g, k in zip(self.w, local_grads, self.group_of):
                     if g is not None and k is not None:
-                        w.add_(g, alpha=-(groups[k]["lr"] if self.local_lr is None else self.local_lr))
+                        w.add_(g, alpha=-(groups[k]["lr"] if self.cfg.local_lr is None else self.cfg.local_lr))
 
     def drain(self) -> None:
         """Finish the in-flight step; the model then holds W and the pipeline restarts empty."""
@@ -445,7 +455,7 @@ class _InFlight:
     adaptive rule's measurements ride on it too. ``result()`` waits once and returns the
     averaged gradient per parameter (None where no rank had one)."""
 
-    def __init__(self, algo: CPSGD):
+    def __init__(self, algo: "BoundCPSGD"):
         self.algo = algo
         self.handles: list = []
         self.ranges: list[tuple[int, int, int]] = []          # (bucket, lo, hi) averaged exactly
@@ -457,7 +467,7 @@ class _InFlight:
         self._result: Optional[list[Optional[torch.Tensor]]] = None
 
     @classmethod
-    def resolved(cls, algo: CPSGD, grads, measure, ranges) -> "_InFlight":
+    def resolved(cls, algo: "BoundCPSGD", grads, measure, ranges) -> "_InFlight":
         f = cls(algo)
         f._result, f.measure, f.ranges = grads, measure, list(ranges)
         return f

@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives.communicator import flatten, unflatten_into
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 from .schedule import Warmup
 from ..collectives.wire import MIB
 
@@ -63,7 +63,6 @@ class DDP(Algorithm):
     find_unused_parameters: bool = False
 
     name: ClassVar[str] = "ddp"
-    uses_gradient_hooks: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
@@ -72,66 +71,8 @@ class DDP(Algorithm):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
 
-    # -- setup ---------------------------------------------------------------------------
-    def bind(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
-        self.ddp: Optional[DistributedDataParallel] = None
-        self._t_last_ready: Optional[float] = None
-        self._t_done: Optional[float] = None
-
-    def wrap_module(self, model: nn.Module) -> nn.Module:
-        # init_sync=False: the engine has already broadcast rank 0's parameters and buffers.
-        # DDP's own buffer broadcast is replaced by a counted one (see _broadcast_buffers).
-        self.ddp = DistributedDataParallel(
-            model, process_group=self.ctx.comm.group, bucket_cap_mb=self.bucket_cap_mb,
-            forward_sync_buffers=self.broadcast_buffers, init_sync=False,
-            find_unused_parameters=self.find_unused_parameters)
-        if self.broadcast_buffers and any(True for _ in model.buffers()):
-            from torch.nn.parallel.distributed import _BufferCommHookLocation
-            self.ddp._register_buffer_comm_hook(self, DDP._broadcast_buffers, _BufferCommHookLocation.PRE_FORWARD)
-        # A closure without annotations: DDP checks a hook's annotations against the classes,
-        # which string annotations (``from __future__ import annotations``) would fail.
-        self.ddp.register_comm_hook(None, lambda _state, bucket: self._hook(bucket))
-        return self.ddp
-
-    # -- communication -------------------------------------------------------------------
-    def _broadcast_buffers(self, named_buffers: dict[str, torch.Tensor]) -> None:
-        """DDP's default buffer sync (rank 0 is authoritative), coalesced per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in named_buffers.values():
-            by_dtype.setdefault(b.dtype, []).append(b)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = flatten(group)
-                self.ctx.comm.broadcast(flat, src=0)
-                unflatten_into(flat, group)
-
-    def _mark_ready(self) -> None:
-        self._t_last_ready = time.perf_counter()
-
-    def _mark_done(self, value: Any) -> Any:
-        # runs on whichever thread completes the future; a float store is atomic under the GIL
-        now = time.perf_counter()
-        self._t_done = now if self._t_done is None else max(self._t_done, now)
-        return value
-
-    def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """``allreduce_hook``: divide first (as PyTorch does, to avoid overflow), then sum."""
-        self._mark_ready()
-        tensor = bucket.buffer()
-        tensor.div_(self.ctx.world_size)
-        work = self.ctx.comm.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-        return work.get_future(tensor).then(lambda fut: self._mark_done(tensor))
-
-    # -- per iteration -------------------------------------------------------------------
-    def step(self) -> None:
-        if self._t_last_ready is not None and self._t_done is not None:
-            self.ctx.comm.stats.comm_wait_s += max(0.0, self._t_done - self._t_last_ready)
-        self._t_last_ready = self._t_done = None
-        self.ctx.optimizer.step()
-
-    def close(self) -> None:
-        self.ddp = None
+    def bind(self, ctx: EngineContext) -> "BoundDDP":
+        return BoundDDP(self, ctx)
 
 
 @dataclass
@@ -141,17 +82,8 @@ class DDPFP16(DDP):
 
     name: ClassVar[str] = "ddp-fp16"
 
-    def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        self._mark_ready()
-        buffer = bucket.buffer()
-        compressed = buffer.to(torch.float16).div_(self.ctx.world_size)
-        work = self.ctx.comm.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True)
-
-        def decompress(fut: torch.futures.Future) -> torch.Tensor:
-            buffer.copy_(compressed)   # in place, as PyTorch does, to keep peak memory down
-            return self._mark_done(buffer)
-
-        return work.get_future(compressed).then(decompress)
+    def bind(self, ctx: EngineContext) -> "BoundDDPFP16":
+        return BoundDDPFP16(self, ctx)
 
 
 @dataclass
@@ -213,21 +145,113 @@ class DDPPowerSGD(DDP):
                              "powerSGD_hook aborts gloo ('Received data size doesn't match') at its first "
                              "compressed step, with plain DDP too (docs/peers.md); use ddp or ddp-fp16")
 
-    def bind(self, ctx: EngineContext) -> None:
-        super().bind(ctx)
+    def bind(self, ctx: EngineContext) -> "BoundDDPPowerSGD":
+        return BoundDDPPowerSGD(self, ctx)
+
+
+class BoundDDP(BoundAlgorithm):
+    """DDP bound to one engine: the DistributedDataParallel wrapper and the wait clock."""
+
+    cfg: DDP
+    uses_gradient_hooks: ClassVar[bool] = False
+
+    def __init__(self, cfg: DDP, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
+        self.ddp: Optional[DistributedDataParallel] = None
+        self._t_last_ready: Optional[float] = None
+        self._t_done: Optional[float] = None
+
+    def wrap_module(self, model: nn.Module) -> nn.Module:
+        # init_sync=False: the engine has already broadcast rank 0's parameters and buffers.
+        # DDP's own buffer broadcast is replaced by a counted one (see _broadcast_buffers).
+        self.ddp = DistributedDataParallel(
+            model, process_group=self.ctx.comm.group, bucket_cap_mb=self.cfg.bucket_cap_mb,
+            forward_sync_buffers=self.cfg.broadcast_buffers, init_sync=False,
+            find_unused_parameters=self.cfg.find_unused_parameters)
+        if self.cfg.broadcast_buffers and any(True for _ in model.buffers()):
+            from torch.nn.parallel.distributed import _BufferCommHookLocation
+            self.ddp._register_buffer_comm_hook(self, BoundDDP._broadcast_buffers, _BufferCommHookLocation.PRE_FORWARD)
+        # A closure without annotations: DDP checks a hook's annotations against the classes,
+        # which string annotations (``from __future__ import annotations``) would fail.
+        self.ddp.register_comm_hook(None, lambda _state, bucket: self._hook(bucket))
+        return self.ddp
+
+    # -- communication -------------------------------------------------------------------
+    def _broadcast_buffers(self, named_buffers: dict[str, torch.Tensor]) -> None:
+        """DDP's default buffer sync (rank 0 is authoritative), coalesced per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in named_buffers.values():
+            by_dtype.setdefault(b.dtype, []).append(b)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = flatten(group)
+                self.ctx.comm.broadcast(flat, src=0)
+                unflatten_into(flat, group)
+
+    def _mark_ready(self) -> None:
+        self._t_last_ready = time.perf_counter()
+
+    def _mark_done(self, value: Any) -> Any:
+        # runs on whichever thread completes the future; a float store is atomic under the GIL
+        now = time.perf_counter()
+        self._t_done = now if self._t_done is None else max(self._t_done, now)
+        return value
+
+    def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """``allreduce_hook``: divide first (as PyTorch does, to avoid overflow), then sum."""
+        self._mark_ready()
+        tensor = bucket.buffer()
+        tensor.div_(self.ctx.world_size)
+        work = self.ctx.comm.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        return work.get_future(tensor).then(lambda fut: self._mark_done(tensor))
+
+    # -- per iteration -------------------------------------------------------------------
+    def step(self) -> None:
+        if self._t_last_ready is not None and self._t_done is not None:
+            self.ctx.comm.stats.comm_wait_s += max(0.0, self._t_done - self._t_last_ready)
+        self._t_last_ready = self._t_done = None
+        self.ctx.optimizer.step()
+
+    def close(self) -> None:
+        self.ddp = None
+
+
+class BoundDDPFP16(BoundDDP):
+    """DDP with the fp16 hook, bound to one engine."""
+
+    def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        self._mark_ready()
+        buffer = bucket.buffer()
+        compressed = buffer.to(torch.float16).div_(self.ctx.world_size)
+        work = self.ctx.comm.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True)
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(compressed)   # in place, as PyTorch does, to keep peak memory down
+            return self._mark_done(buffer)
+
+        return work.get_future(compressed).then(decompress)
+
+
+class BoundDDPPowerSGD(BoundDDP):
+    """DDP with PyTorch's PowerSGD hook, bound to one engine: the hook's state (memories, RNG)."""
+
+    cfg: DDPPowerSGD
+
+    def __init__(self, cfg: DDPPowerSGD, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
         nbytes = sum(p.numel() * p.element_size() for p in ctx.params)
-        if nbytes > self.bucket_cap_mb * MIB or len({p.dtype for p in ctx.params}) > 1:
+        if nbytes > self.cfg.bucket_cap_mb * MIB or len({p.dtype for p in ctx.params}) > 1:
             raise ValueError(
                 f"ddp-powersgd: the model's {nbytes / MIB:.2f} MiB of gradients must fit one DDP bucket "
-                f"(bucket_cap_mb={self.bucket_cap_mb}) and share one dtype, because PyTorch's layer-wise "
+                f"(bucket_cap_mb={self.cfg.bucket_cap_mb}) and share one dtype, because PyTorch's layer-wise "
                 "powerSGD_hook issues collectives from future callbacks and with two or more buckets the ranks "
                 "issue them in different orders on gloo (mismatch or deadlock); raise bucket_cap_mb")
         self.state = psgd.PowerSGDState(
-            process_group=ctx.comm.group, matrix_approximation_rank=self.matrix_approximation_rank,
-            start_powerSGD_iter=self.start_powerSGD_iter, min_compression_rate=self.min_compression_rate,
-            use_error_feedback=self.use_error_feedback, warm_start=self.warm_start,
-            orthogonalization_epsilon=self.orthogonalization_epsilon, random_seed=self.random_seed)
-        self.warmup = Warmup(self.start_powerSGD_iter)   # the same schedule the hook follows
+            process_group=ctx.comm.group, matrix_approximation_rank=self.cfg.matrix_approximation_rank,
+            start_powerSGD_iter=self.cfg.start_powerSGD_iter, min_compression_rate=self.cfg.min_compression_rate,
+            use_error_feedback=self.cfg.use_error_feedback, warm_start=self.cfg.warm_start,
+            orthogonalization_epsilon=self.cfg.orthogonalization_epsilon, random_seed=self.cfg.random_seed)
+        self.warmup = Warmup(self.cfg.start_powerSGD_iter)   # the same schedule the hook follows
         self._name_of = {id(p): n for n, p in zip(ctx.names, ctx.params)}
         self._param_of = dict(zip(ctx.names, ctx.params))
         self._layout: Optional[tuple[str, ...]] = None   # bucket order the memories follow
@@ -291,14 +315,14 @@ class DDPPowerSGD(DDP):
             error[name] = slice(offset, offset + param.numel())
             offset += param.numel()
             n, m = param.view(param.shape[0], -1).shape
-            r = min(n, m, self.matrix_approximation_rank)
-            if psgd._should_compress(n, m, r, self.min_compression_rate)[0]:
+            r = min(n, m, self.cfg.matrix_approximation_rank)
+            if psgd._should_compress(n, m, r, self.cfg.min_compression_rate)[0]:
                 by_shape.setdefault((n, m), []).append(name)
         p_slices: dict[str, slice] = {}
         q_slices: dict[str, slice] = {}
         p_off = q_off = 0
         for (n, m), names in by_shape.items():
-            r = min(n, m, self.matrix_approximation_rank)
+            r = min(n, m, self.cfg.matrix_approximation_rank)
             for name in names:
                 p_slices[name] = slice(p_off, p_off + n * r)
                 q_slices[name] = slice(q_off, q_off + m * r)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..collectives.wire import allreduce_bytes
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 
 #: the torchft release these peers are written against (``pip install 'lowband[peers]'``)
 TORCHFT_VERSION = "0.2.0"
@@ -144,7 +144,6 @@ class DiLoCo(Algorithm):
     timeout_s: float = 120.0
 
     name: ClassVar[str] = "diloco"
-    uses_gradient_hooks: ClassVar[bool] = False
 
     @staticmethod
     def unavailable() -> Optional[str]:
@@ -178,18 +177,36 @@ class DiLoCo(Algorithm):
         if reason:
             raise ValueError(f"{self.name}: {reason}")
 
+    def bind(self, ctx: EngineContext) -> "BoundDiLoCo":
+        return BoundDiLoCo(self, ctx)
+
+
+class BoundDiLoCo(BoundAlgorithm):
+    """DiLoCo bound to one engine: torchft's lighthouse (rank 0), manager and DiLoCo wrapper."""
+
+    cfg: DiLoCo
+    uses_gradient_hooks: ClassVar[bool] = False
+
+    def __init__(self, cfg: DiLoCo, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
+        try:
+            self._setup(ctx)
+        except BaseException:
+            self.close()          # a lighthouse or manager already started must not outlive us
+            raise
+
     # -- setup ---------------------------------------------------------------------------
-    def bind(self, ctx: EngineContext) -> None:
+    def _setup(self, ctx: EngineContext) -> None:
+        cfg = self.cfg
         os.environ.setdefault("RUST_LOG", RUST_LOG_LEVEL)
         logging.getLogger("torchft.manager").addFilter(_NoNcclNoise())
         from torchft import Manager, ProcessGroupGloo
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
-        self.ctx = ctx
         self._step = 0
         self._sync_wait_s = 0.0
-        timeout = timedelta(seconds=self.timeout_s)
+        timeout = timedelta(seconds=cfg.timeout_s)
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
         me = own_address(master)
         # rank 0 runs the lighthouse; the others learn its address through lowband's group
@@ -197,7 +214,7 @@ class DiLoCo(Algorithm):
         box: list[Any] = [None]
         if ctx.rank == 0:
             self._lighthouse = LighthouseServer(bind=f"{me}:0", min_replicas=ctx.world_size,
-                                                join_timeout_ms=int(self.timeout_s * 1000))
+                                                join_timeout_ms=int(cfg.timeout_s * 1000))
             port = self._lighthouse.address().rsplit(":", 1)[1]   # it names the host, not the address
             box[0] = f"http://{me}:{port}"
         dist.broadcast_object_list(box, src=0, group=ctx.comm.group)
@@ -213,13 +230,13 @@ class DiLoCo(Algorithm):
             lighthouse_addr=box[0], replica_id=f"lowband_{ctx.rank}", hostname=me, max_retries=0,
         )
         self._count_allreduce_bytes()
-        self._groups = split_fragments(ctx.params, self.fragments)
+        self._groups = split_fragments(ctx.params, cfg.fragments)
         fragment_modules = [_Fragment([(ctx.names[i], ctx.params[i]) for i in g]) for g in self._groups]
-        outer = [torch.optim.SGD(m.parameters(), lr=self.outer_lr, momentum=self.outer_momentum,
-                                 nesterov=self.outer_momentum > 0) for m in fragment_modules]
+        outer = [torch.optim.SGD(m.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                 nesterov=cfg.outer_momentum > 0) for m in fragment_modules]
         self._diloco = TorchftDiLoCo(
-            self._manager, fragment_modules, ctx.optimizer, outer, sync_every=self.sync_every,
-            fragment_sync_delay=self.fragment_sync_delay, fragment_update_alpha=self.fragment_update_alpha,
+            self._manager, fragment_modules, ctx.optimizer, outer, sync_every=cfg.sync_every,
+            fragment_sync_delay=cfg.fragment_sync_delay, fragment_update_alpha=cfg.fragment_update_alpha,
         )
         self._time_syncs()
         self._diloco.__enter__()
@@ -256,7 +273,7 @@ class DiLoCo(Algorithm):
     # -- per iteration -------------------------------------------------------------------
     @property
     def _steps_per_sync(self) -> int:
-        return self.sync_every // self.fragments
+        return self.cfg.sync_every // self.cfg.fragments
 
     def step(self) -> None:
         before = self._sync_wait_s

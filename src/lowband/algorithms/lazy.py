@@ -40,7 +40,7 @@ from torch import nn
 from ..agreement import check_agreement
 from ..collectives.communicator import flatten
 from ..collectives.wire import MIB
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 
 VARIANTS = ("probe", "vote")
@@ -198,9 +198,19 @@ class LazyUpdate(Algorithm):
         if self.window_step not in WINDOW_STEPS:
             raise ValueError(f"lazy: window_step must be one of {WINDOW_STEPS}, got {self.window_step!r}")
 
+    def bind(self, ctx: EngineContext) -> "BoundLazyUpdate":
+        return BoundLazyUpdate(self, ctx)
+
+
+class BoundLazyUpdate(BoundAlgorithm):
+    """The lazy update bound to one engine: the lazy plan (fixed after the first forward),
+    the accumulators, the interval tau and the window counters."""
+
+    cfg: LazyUpdate
+
     # -- binding: every layer is regular until the forward order is known ---------------------
-    def bind(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
+    def __init__(self, cfg: LazyUpdate, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
         self.plan: Optional[LazyPlan] = None
         self._recorder: Optional[ForwardOrder] = ForwardOrder(input_side_layers(ctx.model))
         self._set_plan(None)
@@ -219,7 +229,7 @@ class LazyUpdate(Algorithm):
         for i in lazy:
             self.is_lazy[i] = True
         regular = [i for i in range(len(params)) if not self.is_lazy[i]]
-        self.buckets = BucketSet(params, regular, int(self.bucket_mb * MIB), self._launch)
+        self.buckets = BucketSet(params, regular, int(self.cfg.bucket_mb * MIB), self._launch)
         self.acc_of = {i: k for k, i in enumerate(lazy)}        # parameter index -> accumulator
         self.acc = [torch.zeros_like(params[i]) for i in lazy]
         self.had = torch.zeros(len(lazy), dtype=params[0].dtype if params else torch.float32,
@@ -246,7 +256,7 @@ class LazyUpdate(Algorithm):
         common = [n for n in order if n in everywhere]
         check_agreement({ORDER_FIELD: common}, group)
         somewhere = sorted({n for o in orders for n in o} - everywhere)
-        self._set_plan(LazyPlan.build(self.ctx.model, self.ctx.params, common + somewhere, self.lazy_layers))
+        self._set_plan(LazyPlan.build(self.ctx.model, self.ctx.params, common + somewhere, self.cfg.lazy_layers))
 
     # -- per iteration -------------------------------------------------------------------------
     def _launch(self, b: Bucket):
@@ -257,7 +267,7 @@ class LazyUpdate(Algorithm):
             self.buckets.mark_ready(index)
 
     def _capped(self, tau: int) -> int:
-        return tau if self.tau_max is None else min(tau, self.tau_max)
+        return tau if self.cfg.tau_max is None else min(tau, self.cfg.tau_max)
 
     def step(self) -> None:
         params = self.ctx.params
@@ -299,7 +309,7 @@ class LazyUpdate(Algorithm):
     def _scaled_window(self, window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``window_step="scaled"``: the lazy parameters about to step on a window of n > 1
         gradients, each with a copy of its value before the step."""
-        if self.window_step != "scaled" or window <= 1:
+        if self.cfg.window_step != "scaled" or window <= 1:
             return []
         params = self.ctx.params
         return [(params[i], params[i].detach().clone()) for i in self.lazy_indices if params[i].grad is not None]
@@ -309,7 +319,7 @@ class LazyUpdate(Algorithm):
         at n = 1, where the latest gradient *is* the accumulated sum."""
         if self.n == 1:
             return []
-        return self.lazy_indices if self.variant == "vote" else self.probe
+        return self.lazy_indices if self.cfg.variant == "vote" else self.probe
 
     def _launch_sync(self, latest: list[Optional[torch.Tensor]]):
         """One fused all-reduce: every lazy accumulator, one had-a-gradient flag per lazy
@@ -338,7 +348,7 @@ class LazyUpdate(Algorithm):
             off += params[i].numel()
         if self.n == 1:
             tau = self.tau + 1                       # A == g: both tests hold with equality
-        elif self.variant == "probe":
+        elif self.cfg.variant == "probe":
             g = torch.cat([latest[i] for i in self.probe])
             a = torch.cat([accs[pos[i]] for i in self.probe])
             tau, _, _ = interval_update(g, a, self.n, self.tau)
@@ -388,7 +398,7 @@ class LazyUpdate(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         order = state.get("forward_order")
         if order is not None:
-            plan = LazyPlan.build(self.ctx.model, self.ctx.params, order, self.lazy_layers)
+            plan = LazyPlan.build(self.ctx.model, self.ctx.params, order, self.cfg.lazy_layers)
             if self.plan is None:
                 self._set_plan(plan)
             elif plan.indices != self.plan.indices:

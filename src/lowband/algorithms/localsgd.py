@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.communicator import flatten, unflatten_into
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .schedule import Periodic, Warmup
 
@@ -50,18 +50,27 @@ class LocalSGD(Algorithm):
     warmup_steps: int = 10
 
     name: ClassVar[str] = "localsgd"
-    uses_gradient_hooks: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.period, int) or isinstance(self.period, bool) or self.period < 1:
             raise ValueError(f"localsgd: period must be an integer >= 1, got {self.period!r}")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
             raise ValueError(f"localsgd: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        self._warmup = Warmup(self.warmup_steps)
-        self._averaging = Periodic(self.period, start=self.warmup_steps)   # the averager's schedule
 
-    def bind(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
+    def bind(self, ctx: EngineContext) -> "BoundLocalSGD":
+        return BoundLocalSGD(self, ctx)
+
+
+class BoundLocalSGD(BoundAlgorithm):
+    """Local SGD bound to one engine: the step counter, the in-sync flag, the warm-up buckets."""
+
+    cfg: LocalSGD
+    uses_gradient_hooks: ClassVar[bool] = False
+
+    def __init__(self, cfg: LocalSGD, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
+        self._warmup = Warmup(cfg.warmup_steps)
+        self._averaging = Periodic(cfg.period, start=cfg.warmup_steps)   # the averager's schedule
         self._step = 0
         # True while every rank is known to hold the same parameters (after a warm-up step or
         # an average); drain() then has nothing to do.
@@ -133,7 +142,7 @@ class LocalSGD(Algorithm):
     def replicated_state(self) -> tuple[Optional[list[torch.Tensor]], bool]:
         """The parameters while in sync; the optimizer state only while every step so far was
         a warm-up step (local steps keep it local, as in PyTorch)."""
-        return (list(self.ctx.params) if self._in_sync else None), self._step <= self.warmup_steps
+        return (list(self.ctx.params) if self._in_sync else None), self._step <= self.cfg.warmup_steps
 
     def drain(self) -> None:
         """Average the parameters (unless they are already identical) so evaluation and

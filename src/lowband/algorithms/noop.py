@@ -12,7 +12,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 from ..collectives.communicator import flatten, unflatten_into
 
 
@@ -21,10 +21,15 @@ class NoComm(Algorithm):
     """No knobs: the point is to do nothing but compute."""
 
     name: ClassVar[str] = "noop"
-    uses_gradient_hooks: ClassVar[bool] = False
 
-    def bind(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
+    def bind(self, ctx: EngineContext) -> "BoundNoComm":
+        return BoundNoComm(self, ctx)
+
+
+class BoundNoComm(BoundAlgorithm):
+    """Each rank steps on its own gradient."""
+
+    uses_gradient_hooks: ClassVar[bool] = False
 
     def step(self) -> None:
         self.ctx.optimizer.step()

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch.distributed as dist
 
 from ..collectives.wire import MIB
-from .base import Algorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 
 
@@ -33,15 +33,24 @@ class SSGD(Algorithm):
         if not self.bucket_mb > 0:
             raise ValueError(f"ssgd: bucket_mb must be > 0, got {self.bucket_mb}")
 
-    def bind(self, ctx: EngineContext) -> None:
-        self.ctx = ctx
-        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.bucket_mb * MIB), self._launch)
+    def bind(self, ctx: EngineContext) -> "BoundSSGD":
+        return BoundSSGD(self, ctx)
+
+
+class BoundSSGD(BoundAlgorithm):
+    """S-SGD bound to one engine: its gradient buckets."""
+
+    cfg: SSGD
+
+    def __init__(self, cfg: SSGD, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
+        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(cfg.bucket_mb * MIB), self._launch)
 
     def _launch(self, b: Bucket):
         return self.ctx.comm.all_reduce(b.buffer, op=dist.ReduceOp.AVG, async_op=True)
 
     def on_gradient_ready(self, index: int) -> None:
-        self.buckets.mark_ready(index, overlap=self.overlap)
+        self.buckets.mark_ready(index, overlap=self.cfg.overlap)
 
     def step(self) -> None:
         self.buckets.launch_remaining()

@@ -1,0 +1,80 @@
+"""Configuration and bound state are two objects (``Algorithm`` / ``BoundAlgorithm``).
+
+Binding never changes an algorithm's configuration, and one configuration object bound to two
+engines, one after the other, trains both exactly like the first: a counter, residual or
+buffer left on the configuration would make the second run differ (or fail).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lowband
+from lowband.algorithms import ALGORITHMS
+from lowband.algorithms.base import BoundAlgorithm
+
+from .distributed import run_distributed
+from .training import SmallNet, batches, make_optimizer, params_of, train
+
+STEPS = 8
+#: short warm-ups so every pipelined or periodic path runs within STEPS
+OPTIONS = {
+    "compressed": {"warmup_steps": 2},
+    "cpsgd": {"warmup_steps": 2, "correction_period": 3},
+    "ddp-powersgd": {"start_powerSGD_iter": 2},
+    "localsgd": {"warmup_steps": 2, "period": 2},
+    "diloco": {"sync_every": 4},
+    "streaming-diloco": {"sync_every": 4},
+}
+
+
+def _names() -> list[str]:
+    from lowband.algorithms.diloco import torchft_unavailable
+    return [n for n in ALGORITHMS if not (n.endswith("diloco") and torchft_unavailable())]
+
+
+def _bind_twice(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        cfg = lowband.make_algorithm(name, **OPTIONS.get(name, {}))
+        before = copy.deepcopy(vars(cfg))
+        runs, bound = [], []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = SmallNet()
+            opt = make_optimizer("sgd", model)
+            engine = lowband.distribute(model, opt, cfg)
+            assert engine.algorithm is cfg and isinstance(engine.bound, BoundAlgorithm) and engine.bound.cfg is cfg
+            train(model, opt, batches(rank, world), engine.step, STEPS, forward=engine.module)
+            engine.synchronize()
+            runs.append(params_of(model))
+            bound.append(id(engine.bound))
+            engine.close()
+        same = all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+        out[name] = (vars(cfg) == before, same, bound[0] != bound[1])
+    return out
+
+
+def test_binding_leaves_the_configuration_alone_and_one_configuration_binds_twice():
+    names = _names()
+    assert {"ssgd", "compressed", "cpsgd", "lazy", "noop", "ddp", "localsgd"} <= set(names)
+    results = run_distributed(_bind_twice, 2, names, timeout_s=240)
+    for rank, per_rank in enumerate(results):
+        for name in names:
+            unchanged, same, distinct = per_rank[name]
+            assert unchanged, f"rank {rank}: binding {name} changed its configuration"
+            assert same, f"rank {rank}: {name} trained differently the second time one configuration was bound"
+            assert distinct, f"rank {rank}: {name}'s two engines share one bound object"
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_configuration_holds_only_its_knobs(name):
+    """Nothing but the dataclass fields lives on a configuration object, after validation
+    (``__post_init__``) too."""
+    import dataclasses
+    if name not in _names():
+        pytest.skip("torchft is not installed")
+    cfg = lowband.make_algorithm(name, **OPTIONS.get(name, {}))
+    assert set(vars(cfg)) == {f.name for f in dataclasses.fields(cfg)}
