@@ -16,18 +16,10 @@ from lowband.algorithms import ALGORITHMS
 from lowband.algorithms.base import BoundAlgorithm
 
 from .distributed import run_distributed
+from .training import SHORT_SCHEDULES as OPTIONS
 from .training import SmallNet, batches, make_optimizer, params_of, train
 
 STEPS = 8
-#: short warm-ups so every pipelined or periodic path runs within STEPS
-OPTIONS = {
-    "compressed": {"warmup_steps": 2},
-    "cpsgd": {"warmup_steps": 2, "correction_period": 3},
-    "ddp-powersgd": {"start_powerSGD_iter": 2},
-    "localsgd": {"warmup_steps": 2, "period": 2},
-    "diloco": {"sync_every": 4},
-    "streaming-diloco": {"sync_every": 4},
-}
 
 
 def _names() -> list[str]:

@@ -20,18 +20,11 @@ import lowband
 from lowband.agreement import ReplicaMismatchError
 
 from .distributed import run_distributed
+from .training import SHORT_SCHEDULES as OPTIONS
 from .training import SmallNet, batches, make_optimizer
 
 STEPS = 8
 EVAL_EVERY = 2
-#: short warm-ups, so that every algorithm's own machinery (pipeline, compression, local
-#: steps, PowerSGD, lazy intervals) runs for most of the STEPS
-OPTIONS = {
-    "compressed": {"warmup_steps": 2},
-    "cpsgd": {"warmup_steps": 2, "correction_period": 3},
-    "ddp-powersgd": {"start_powerSGD_iter": 2},
-    "localsgd": {"warmup_steps": 1, "period": 3},
-}
 SKIP_LIMIT = 2
 
 

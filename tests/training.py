@@ -13,6 +13,16 @@ from lowband.data import ShardedBatches, make_synthetic
 
 LOCAL_BATCH = 8
 DATA_SIZE = 1024
+#: short warm-ups and periods, so that every algorithm's own machinery (pipeline,
+#: compression, local steps, PowerSGD, lazy intervals, outer syncs) runs within ~8 steps
+SHORT_SCHEDULES: dict[str, dict[str, Any]] = {
+    "compressed": {"warmup_steps": 2},
+    "cpsgd": {"warmup_steps": 2, "correction_period": 3},
+    "ddp-powersgd": {"start_powerSGD_iter": 2},
+    "localsgd": {"warmup_steps": 1, "period": 3},
+    "diloco": {"sync_every": 4},
+    "streaming-diloco": {"sync_every": 4},
+}
 
 
 class SmallNet(nn.Module):
