@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 
 #: every algorithm of lowband's registry, with warm-ups short enough for ~60-step runs
 ALGORITHMS = ["noop", "ssgd", "ddp", "ddp-fp16", "ddp-powersgd", "compressed:warmup_steps=10",
-              "cpsgd:warmup_steps=10", "lazy", "localsgd"]
+              "cpsgd:warmup_steps=10", "lazy", "localsgd", "diloco", "streaming-diloco"]
 #: steps excluded before the measured window: each algorithm's warm-up (defaults: ddp-powersgd's
 #: start_powerSGD_iter 10, localsgd's warmup_steps 10) plus 3
 SKIP = {"ddp-powersgd": 13, "localsgd": 13, "compressed": 13, "cpsgd": 13}
