@@ -60,6 +60,23 @@ def git_commit() -> str:
         return "unknown"
 
 
+def source_digest() -> str:
+    """A digest of lowband's sources (``src/``): the runs import them from the working tree, so
+    an edit during a run would measure other code than the one named by the commit."""
+    import hashlib
+    h = hashlib.sha256()
+    root = os.path.join(os.path.dirname(HERE), "src")
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith((".py", ".c", ".json")):
+                path = os.path.join(dirpath, name)
+                h.update(path.encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def load_average() -> str:
     try:
         return " ".join(open("/proc/loadavg").read().split()[:3])
@@ -134,8 +151,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                "--bandwidth", args.link, "--workers", str(args.workers), "--model", args.model,
                "--max-steps", str(args.max_steps), "--no-progress", "--out", pair]
         pair_meta = {**meta, "command": "lowband " + " ".join(cmd[3:]), "load_before": load_average()}
+        digest = source_digest()
         rc = subprocess.run(cmd, env=env).returncode or rc
         pair_meta["load_after"] = load_average()
+        pair_meta["source_digest"] = digest
+        if source_digest() != digest:
+            print(f"[{args.link} x{args.workers}] {spec}: src/ changed during the run; it is not reported",
+                  file=sys.stderr, flush=True)
+            pair_meta["source_changed"] = True
         with open(os.path.join(pair, "validation-run.json"), "w") as f:
             json.dump(pair_meta, f, indent=1)
     return rc
@@ -262,6 +285,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     for g in groups:
         for pair in sorted(glob.glob(os.path.join(g, "*")), key=lambda d: ALGO_ORDER.get(os.path.basename(d), 99)):
             if os.path.exists(os.path.join(pair, "validation-run.json")) and os.path.exists(os.path.join(pair, "results.json")):
+                with open(os.path.join(pair, "validation-run.json")) as f:
+                    if json.load(f).get("source_changed"):
+                        print(f"{pair}: src/ changed during its run; skipped", file=sys.stderr)
+                        continue
                 predict_pair(pair, profile, rows, None if args.latency is None else parse_latency(args.latency))
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
