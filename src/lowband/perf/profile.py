@@ -16,8 +16,9 @@ A profile is a small JSON document (``FORMAT``):
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
   input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),
   and the payload size as a ratio of the fp32 bytes plus a fixed number of bytes per call.
-  Measured through the bucket-level codec the collectives run (one call per bucket; native
-  kernels where the codec has them), so a segment's "call" is its share of that call;
+  Codecs with native kernels (2-bit, 1-bit) are measured through the bucket-level codec the
+  collectives run (one call per bucket, so a segment's "call" is its share of that call); the
+  others per tensor (:func:`measure_codec`);
 * ``codec_shares_compute``: whether codec work competes with forward/backward for the same
   processor (true on CPU workers: lowband's background compression thread runs on the
   worker's core; false where the codec has a processor of its own);
