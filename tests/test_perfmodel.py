@@ -237,6 +237,15 @@ def test_measured_profile_round_trips(tmp_path):
     assert back.codecs["1bit"].encode_gbps > 0 and "bucket-level" in back.codecs["1bit"].note  # native: as the collectives run it
 
 
+def test_language_model_profiles_with_byte_batches():
+    """The profile feeds each model the batch it trains on (a language model: byte ids)."""
+    from lowband.perf.profile import measure
+    prof = measure("gpt", batch_size=2, codecs=["1bit"], reps=1)
+    assert prof.model == "gpt" and prof.forward_s > 0 and prof.gradient_bytes > 4_000_000
+    # the tied embedding appears once, as in the training runs
+    assert [p.name for p in prof.params].count("tok.weight") == 1 and "head.weight" not in [p.name for p in prof.params]
+
+
 def test_parse_latency():
     assert parse_latency("5us") == pytest.approx(5e-6)
     assert parse_latency("0.2ms") == pytest.approx(2e-4)

@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "compressor's encode/decode throughput; write them as a profile for `lowband plan`.")
     pr.add_argument("--model", required=True, help=f"model name: {', '.join(MODELS)}")
     pr.add_argument("--out", required=True, help="profile file to write (JSON)")
-    pr.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="per-worker batch size (default: %(default)s)")
+    pr.add_argument("--batch-size", type=int, default=None, help=f"per-worker batch size ({_by_task('batch_size')})")
     pr.add_argument("--reps", type=int, default=20, help="measured steps (default: %(default)s)")
     pr.add_argument("--threads", type=int, default=TrainConfig.threads, help="intra-op threads (default: %(default)s)")
     pr.add_argument("--codecs", default=None, help="comma-separated compressors to measure (default: all)")
@@ -468,6 +468,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .perf.profile import measure
     if args.model not in MODELS:
         raise UsageError(f"unknown model {args.model!r}; choose one of: {', '.join(sorted(MODELS))}")
+    if args.batch_size is None:
+        args.batch_size = defaults_for(args.model)["batch_size"]
     if args.batch_size < 1 or args.reps < 1 or args.threads < 1:
         raise UsageError("--batch-size, --reps and --threads must be >= 1")
     codecs = None

@@ -234,6 +234,7 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     import torch.nn.functional as F
     from torch import nn
     from ..algorithms.lazy import NORM_LAYERS
+    from .. import tasks
     from ..models import make_model
 
     torch.set_num_threads(threads)
@@ -250,13 +251,12 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     stamps: list[float] = [0.0] * len(named)
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
              for i, (_, p) in enumerate(named)]
-    x = torch.randn(batch_size, 1, 28, 28)
-    y = torch.randint(0, 10, (batch_size,))
+    x, y = _example_batch(model_name, model, batch_size)
     fwd, bwd_end, opt_t, ready = [], [], [], []
     for r in range(warmup + reps):
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
+        loss = tasks.loss(model(x), y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -280,6 +280,18 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     return {"params": params, "ready_order": order, "backward_s": backward_s,
             "backward_tail_s": max(0.0, _median(bwd_end) - prev), "forward_s": _median(fwd),
             "optimizer_s": _median(opt_t), "buffer_bytes": int(buffers), "fused_update_s": fused_s}
+
+
+def _example_batch(model_name: str, model, batch_size: int):
+    """A random batch of the shape ``model_name`` trains on: Fashion-MNIST images and classes,
+    or for a language model byte ids over its whole context and the next bytes."""
+    import torch
+    from .. import tasks
+    from ..models import BYTE_VOCAB
+    if tasks.task_of(model_name) == "lm":
+        ids = torch.randint(0, BYTE_VOCAB, (batch_size, model.context + 1))
+        return ids[:, :-1], ids[:, 1:]
+    return torch.randn(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
 
 
 def _fused_update_s(opt, params: list, reps: int) -> Optional[float]:
