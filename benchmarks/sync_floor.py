@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lowband.launcher import free_port
 
 VARIANTS = {
     "noop": ("noop", {}, False),
@@ -78,15 +79,9 @@ def _variant(spec: str) -> tuple[str, dict, bool]:
     return name, options, barrier
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(variant: str, world: int, steps: int) -> float:
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, variant, steps, queue)) for r in range(world)]
     for p in procs:
         p.start()

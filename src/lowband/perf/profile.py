@@ -348,9 +348,12 @@ def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
     codec = build_compressor(name, options, error_feedback=True)
     inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
     bucket_level = native_kind(inner) is not None
-    run = _time_bucket_codec if bucket_level else _time_codec_per_tensor
-    enc_seg, dec_seg = run(name, options, flat, list(sizes), reps)
-    enc_flat, dec_flat = run(name, options, flat, [total], reps)
+    if bucket_level:
+        enc_seg, dec_seg = _time_bucket_codec(inner, flat, list(sizes), reps)
+        enc_flat, dec_flat = _time_bucket_codec(inner, flat, [total], reps)
+    else:
+        enc_seg, dec_seg = _time_codec_per_tensor(name, options, flat, list(sizes), reps)
+        enc_flat, dec_flat = _time_codec_per_tensor(name, options, flat, [total], reps)
     n = len(sizes)
     enc_call = max(0.0, (enc_seg - enc_flat) / (n - 1)) if n > 1 else 0.0
     dec_call = max(0.0, (dec_seg - dec_flat) / (n - 1)) if n > 1 else 0.0
@@ -366,15 +369,12 @@ def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
                      note=f"build_compressor({name!r}, {options}, error_feedback=True), {how}")
 
 
-def _time_bucket_codec(name: str, options: dict, flat, sizes: list[int], reps: int) -> tuple[float, float]:
-    """(encode, decode) seconds of one all-gather-layout bucket of segments ``sizes``."""
+def _time_bucket_codec(codec, flat, sizes: list[int], reps: int) -> tuple[float, float]:
+    """(encode, decode) seconds of one all-gather-layout bucket of segments ``sizes`` with
+    ``codec`` (the residual is the bucket's own, as in the collectives)."""
     import torch
     from ..collectives.compressed import make_plan
-    from ..compressors import build_compressor
-    from ..compressors.error_feedback import ErrorFeedback
-    codec = build_compressor(name, options, error_feedback=True)
-    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
-    plan = make_plan("allgather", 1, 0, [(f"s{i}", int(n)) for i, n in enumerate(sizes)], inner)
+    plan = make_plan("allgather", 1, 0, [(f"s{i}", int(n)) for i, n in enumerate(sizes)], codec)
     send = torch.zeros(plan.layout.section, dtype=torch.uint8)
     e = torch.zeros(plan.numel, dtype=torch.float32)
     out = torch.empty(plan.numel, dtype=torch.float32)
