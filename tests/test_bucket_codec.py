@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lowband.compressors import kernels, make_compressor
-from lowband.compressors.bucket import BucketCodec, ChunkedLayout, _ChunkFormat, skip_ranges
+from lowband.compressors.bucket import BucketCodec, ChunkedLayout, _ChunkFormat, mean_rows, skip_ranges
 from lowband.compressors.sums import canonical_sum
 
 CODECS = [
@@ -181,6 +181,29 @@ def test_canonical_sum_native_equals_torch(n, seed):
     native = _lib().lb_canon_sum(ctypes.c_void_p(x.data_ptr()), n)
     assert np.float32(native).view(np.int32) == canonical_sum(x).view(torch.int32).item()
     assert abs(float(native) - float(x.double().sum())) <= 1e-4 * max(1.0, float(x.double().sum()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), n=st.integers(0, 5000), pad=st.integers(0, 9), seed=st.integers(0, 2**20),
+       divisor=st.sampled_from([1.0, 2.0, 3.0, 7.0]))
+def test_mean_rows_native_equals_rank_order_loop(rows, n, pad, seed, divisor):
+    """Exact values are averaged in rank order, to the same bits natively and in torch, for
+    strided rows (as they sit in a gathered message) and row counts where torch.sum reorders."""
+    _lib()
+    x = torch.randn(rows, n + pad, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-4, 4, n + pad)
+    view = x[:, pad:]
+    ref = view[0].clone()
+    for q in range(1, rows):
+        ref = ref + view[q]
+    ref = ref / divisor if divisor != 1.0 else ref
+    native = mean_rows(view, divisor)
+    kernels_mode = kernels.mode
+    try:
+        kernels.mode = lambda: "torch"
+        fallback = mean_rows(view, divisor)
+    finally:
+        kernels.mode = kernels_mode
+    assert torch.equal(_bits(native), _bits(ref)) and torch.equal(_bits(fallback), _bits(ref))
 
 
 def test_kernel_mode_variable(monkeypatch):

@@ -131,14 +131,64 @@ def _present_and_exact(rank: int, world: int, kind: str):
     y = _inputs(rank, 2, 123)
     lo, hi = 10, 60
     out = red.start(y, "b", segs, exact=(lo, hi)).wait()
-    exact_ref = y[lo:hi].clone()
-    dist.all_reduce(exact_ref)
-    exact_ref /= world
+    if red._buckets["b"].plan.inline_exact:    # in the bucket's message: summed in rank order
+        exact_ref = _rank_order_mean([_inputs(r, 2, 123)[lo:hi] for r in range(world)])
+    else:                                      # an fp32 all-reduce beside it
+        exact_ref = y[lo:hi].clone()
+        dist.all_reduce(exact_ref)
+        exact_ref /= world
     e2 = red.state_dict()["worker"]
     red.close()
     flat1, flat2 = torch.cat([e1[s] for s, _ in segs]), torch.cat([e2[s] for s, _ in segs])
     return (h.present.tolist(), torch.equal(out[lo:hi], exact_ref), kept,
             torch.equal(flat1[lo:hi], flat2[lo:hi]), not torch.equal(flat1[hi:], flat2[hi:]))
+
+
+def _rank_order_mean(xs: list) -> torch.Tensor:
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc = acc + x
+    return acc / len(xs)
+
+
+EXACT_SEGMENTS = [("w1", 300), ("b1", 7), ("w2", 1001), ("b2", 1)]
+FIXED = [False, True, False, True]
+
+
+def _exact_segments(rank: int, world: int, kind: str):
+    """A bucket with exact (never compressed) segments against a bucket of only its compressed
+    segments: the codes, residuals and exact share agree bit for bit, the exact segments are
+    the rank-order fp32 mean, and the whole bucket is one collective per step where the plan
+    carries exact values inline."""
+    from lowband.compressors import ErrorFeedback
+    codec = lambda: ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
+    comm_a, comm_b = Communicator(), Communicator()
+    mixed, plain = make_reducer(kind, comm_a, codec()), make_reducer(kind, comm_b, codec())
+    coded = [s for s, f in zip(EXACT_SEGMENTS, FIXED) if not f]
+    n = sum(k for _, k in EXACT_SEGMENTS)
+    w_idx = torch.cat([torch.arange(o, o + k) for (_, k), o, f in
+                       zip(EXACT_SEGMENTS, [0, 300, 307, 1308], FIXED) if not f])
+    b_idx = torch.tensor([300, 301, 302, 303, 304, 305, 306, 1308])
+    checks = []
+    for step in range(3):
+        xs = [_inputs(r, step, n) for r in range(world)]
+        # step 2 also sends an exact share across w1's tail, b1 and w2's head
+        ea, eb = ((250, 320), (250, 313)) if step == 2 else (None, None)
+        a = mixed.start(xs[rank], "b", EXACT_SEGMENTS, exact_segments=FIXED, exact=ea, flush_exact=True).wait()
+        b = plain.start(xs[rank][w_idx], "b", coded, exact=eb, flush_exact=True).wait()
+        inline = mixed._buckets["b"].plan.inline_exact
+        # an exact share outside the message is a gloo all-reduce, whose summation order
+        # depends on its length: equal to rounding only
+        same = (lambda u, v: torch.equal(u, v)) if inline or step < 2 else (
+            lambda u, v: torch.allclose(u, v, rtol=1e-6, atol=1e-6))
+        checks.append(same(a[w_idx], b))
+        checks.append(same(a[b_idx], _rank_order_mean([x[b_idx] for x in xs])))
+    sa, sb = mixed.state_dict()["worker"], plain.state_dict()["worker"]
+    sa = {k: v for k, v in sa.items() if k in ("w1", "w2", "b1", "b2")}
+    mixed.close()
+    plain.close()
+    same_residuals = sorted(sa) == sorted(sb) == ["w1", "w2"] and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return checks, same_residuals, inline, comm_a.stats.snapshot()["by_op"]
 
 
 def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
@@ -157,6 +207,7 @@ def _all_checks(rank: int, world: int, mode: str) -> dict:
         for codec, options in CODECS + (ALLGATHER_EXTRA if kind == "allgather" else []):
             out[(kind, codec, repr(options))] = _matches_reference(rank, world, kind, codec, options)
         out[("present", kind)] = _present_and_exact(rank, world, kind)
+        out[("exact_segments", kind)] = _exact_segments(rank, world, kind)
     if world == BYTES_WORLD and mode == "auto":
         for codec, options, _ in BYTES_CASES:
             out[("bytes", codec, repr(options))] = _bytes(rank, world, codec, options, BYTES_N)
@@ -201,6 +252,19 @@ def test_present_flags_and_exact_ranges(world, mode, kind):
         assert absent_kept          # residuals of segments absent on this rank are untouched
         assert exact_kept           # ... and of the exact range
         assert rest_moved           # while the compressed elements' residuals evolve
+
+
+@pytest.mark.parametrize("world, mode", WORLDS)
+@pytest.mark.parametrize("kind", ["allgather", "two-stage"])
+def test_exact_segments_ride_in_the_bucket_message(world, mode, kind):
+    for checks, same_residuals, inline, by_op in (r[("exact_segments", kind)] for r in _results(world, mode)):
+        assert all(checks), checks
+        assert same_residuals       # exact segments keep no residual; the coded ones are unchanged
+        assert inline == (kind == "two-stage" or world <= 2)
+        ops = {"allgather": ["all_gather"], "two-stage": ["all_to_all", "all_gather"]}[kind]
+        assert all(by_op[op][0] == 3 for op in ops), by_op
+        # the exact share of step 2 needs an all-reduce of its own only where it is not inline
+        assert by_op.get("all_reduce", [0])[0] == (0 if inline else 1), by_op
 
 
 @pytest.mark.parametrize("codec, options, bound", BYTES_CASES)

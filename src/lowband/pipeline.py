@@ -154,12 +154,15 @@ class Pipeline:
 
 @dataclass
 class _Bucket:
-    """Per-bucket state of the reducer: its plan and residuals."""
+    """Per-bucket state of the reducer: its plan, residuals and exact segments (``fixed``: bool
+    per segment, or None; ``fixed_index``: their elements in the bucket)."""
 
     segments: list[tuple[str, int]]
     plan: Plan
     e_worker: Optional[torch.Tensor]
     e_server: Optional[torch.Tensor]
+    fixed: Optional[np.ndarray] = None
+    fixed_index: Optional[torch.Tensor] = None
 
 
 def _check_segments(tensor: torch.Tensor, name: str, segments: Optional[Segments]) -> list[tuple[str, int]]:
@@ -209,27 +212,39 @@ class CompressedReducer:
         self._pending: dict[str, dict[str, torch.Tensor]] = {"worker": {}, "server": {}}
 
     # -- buckets -------------------------------------------------------------------------
-    def _bucket(self, name: str, segments: list[tuple[str, int]], device: torch.device) -> _Bucket:
+    def _bucket(self, name: str, segments: list[tuple[str, int]], device: torch.device,
+                fixed: Optional[np.ndarray] = None) -> _Bucket:
         b = self._buckets.get(name)
         if b is not None:
             if b.segments != segments:
                 raise ValueError(f"bucket {name!r} was started with other segments before")
+            if not np.array_equal(b.fixed if b.fixed is not None else np.zeros(len(segments), dtype=bool),
+                                  fixed if fixed is not None else np.zeros(len(segments), dtype=bool)):
+                raise ValueError(f"bucket {name!r} was started with other exact_segments before")
             return b
         plan = make_plan(self.name, self.world_size, self.rank, segments, self.codec, self.server_codec)
         e_worker = torch.zeros(plan.numel, dtype=torch.float32, device=device) if self.error_feedback else None
         e_server = torch.zeros(plan.server_numel, dtype=torch.float32, device=device) if plan.server_numel else None
-        b = _Bucket(segments, plan, e_worker, e_server)
+        fixed_index = None
+        if fixed is not None and fixed.any():
+            lay = plan.layout
+            fixed_index = torch.from_numpy(np.concatenate(
+                [np.arange(o, o + n, dtype=np.int64) for o, n, f in zip(lay.seg_off, lay.numel, fixed) if f])).to(device)
+        else:
+            fixed = None
+        b = _Bucket(segments, plan, e_worker, e_server, fixed, fixed_index)
         self._buckets[name] = b
         self._restore(b)
         return b
 
     def _views(self, b: _Bucket, which: str) -> dict[str, torch.Tensor]:
-        """Per-parameter views of a bucket's worker or server residual."""
+        """Per-parameter views of a bucket's worker or server residual (exact segments have none)."""
         e = b.e_worker if which == "worker" else b.e_server
         if e is None:
             return {}
         lay = b.plan.layout if which == "worker" else b.plan.server_layout
-        return {n: e[int(o):int(o) + int(k)] for n, o, k in zip(lay.names, lay.seg_off, lay.numel)}
+        fixed = b.fixed if b.fixed is not None else np.zeros(lay.segments, dtype=bool)
+        return {n: e[int(o):int(o) + int(k)] for n, o, k, f in zip(lay.names, lay.seg_off, lay.numel, fixed) if not f}
 
     def _restore(self, b: _Bucket) -> None:
         for which in ("worker", "server"):
@@ -245,21 +260,34 @@ class CompressedReducer:
     # -- contract ------------------------------------------------------------------------
     def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
               exact: Optional[tuple[int, int]] = None, flush_exact: bool = False,
-              present: Optional[torch.Tensor] = None) -> Handle:
+              present: Optional[torch.Tensor] = None, exact_segments: Optional[Sequence[bool]] = None,
+              copy: bool = True) -> Handle:
         """Average flat fp32 ``tensor`` through the codec with error feedback, on the queue.
         ``exact=(lo, hi)``: those elements are averaged exactly in fp32 instead (codes 0,
-        residual untouched unless ``flush_exact``: then it is added and zeroed). ``present``:
-        bool per segment, whether this rank produced it (absent segments: zeros, residual
-        untouched). The tensor is copied before ``start`` returns."""
+        residual untouched unless ``flush_exact``: then it is added and zeroed).
+        ``exact_segments``: bool per segment, the same at every call for a bucket: those
+        segments are always averaged exactly in fp32 and keep no residual (1-D parameters).
+        Exact values travel in the bucket's own message where the collective carries them at
+        fp32 all-reduce cost (``Plan.inline_exact``), else in an fp32 all-reduce beside it.
+        ``present``: bool per segment, whether this rank produced it (absent segments: zeros,
+        residual untouched). The tensor is copied before ``start`` returns unless ``copy`` is
+        False: then the caller leaves it untouched until the handle is waited for."""
         segs = _check_segments(tensor, name, segments)
         lo, hi = (0, 0) if exact is None else (int(exact[0]), int(exact[1]))
         if not (0 <= lo <= hi <= tensor.numel()):
             raise ValueError(f"exact range {exact} outside a tensor of {tensor.numel()} elements")
-        snapshot = tensor.detach().reshape(-1).to(torch.float32, copy=True)
-        return self.pipeline.submit(self._run, name, segs, snapshot, _flags(present, len(segs)), lo, hi, flush_exact)
+        fixed = None
+        if exact_segments is not None:
+            fixed = np.asarray([bool(x) for x in exact_segments], dtype=bool)
+            if fixed.size != len(segs):
+                raise ValueError(f"exact_segments has {fixed.size} entries for {len(segs)} segments")
+        flat = tensor.detach().reshape(-1)
+        snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
+        return self.pipeline.submit(self._run, name, segs, snapshot, _flags(present, len(segs)), lo, hi, flush_exact,
+                                    fixed)
 
-    def _run(self, name, segs, g, flags, lo, hi, flush_exact):
-        b = self._bucket(name, segs, g.device)
+    def _run(self, name, segs, g, flags, lo, hi, flush_exact, fixed):
+        b = self._bucket(name, segs, g.device, fixed)
         comm = self.pipeline.comm
         exact_work, ex = None, None
         if hi > lo:
@@ -267,8 +295,18 @@ class CompressedReducer:
             if flush_exact and b.e_worker is not None:
                 ex.add_(b.e_worker[lo:hi])
                 b.e_worker[lo:hi].zero_()
+        inline = ex is not None and b.plan.inline_exact
+        if ex is not None and not inline:
             exact_work = comm.all_reduce(ex, op=dist.ReduceOp.AVG, async_op=True)
-        out, present = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi)
+        parts = ([] if b.fixed_index is None else [g.index_select(0, b.fixed_index)]) + ([ex] if inline else [])
+        raw = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        out, present, mean = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi, raw, b.fixed)
+        nf = 0
+        if b.fixed_index is not None:
+            nf = b.fixed_index.numel()
+            out.index_copy_(0, b.fixed_index, mean[:nf])
+        if inline:        # after the exact segments: a flushed residual in the share wins
+            out[lo:hi] = mean[nf:]
         if exact_work is not None:
             exact_work.wait()
             out[lo:hi] = ex

@@ -6,7 +6,7 @@ compression" (MXNet's ``2bit`` + error feedback), on lowband's explicit collecti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 from ..collectives.compressed import COLLECTIVE_CHOICES
 from ..collectives.wire import MIB
@@ -53,8 +53,8 @@ class CompressedSGD(Algorithm):
             default, as in PyTorch's PowerSGD hook: they are <1% of the elements of typical
             convnets (0.5% of ResNet-20), so sending them in fp32 costs little, and their
             gradients are systematically larger and matter more per element than weights'.
-            They then go through fp32 all-reduce buckets of their own (on the same ordered
-            queue as the compressed ones).
+            They then share the buckets of the matrices and travel in fp32 in the same message
+            as the codes (``exact_segments`` of the reducer): one collective per bucket.
         warmup_steps: steps averaged with plain fp32 all-reduce before compression starts (as
             PowerSGD's ``start_powerSGD_iter``, DeepSpeed's ``freeze_step``, CP-SGD's 1000
             S-SGD iterations): early gradients are large and change fast, when compression
@@ -64,8 +64,8 @@ class CompressedSGD(Algorithm):
 
     Each parameter is compressed on its own (layer-wise scales and thresholds) and its
     residual is keyed by its name; all parameters of a bucket travel in one collective, and
-    every collective (warm-up, fp32 buckets, compressed buckets) goes through the reducer's one
-    ordered queue. A parameter that got no gradient on a rank contributes zeros there (and its
+    every collective (warm-up, compressed buckets) goes through the reducer's one ordered
+    queue. A parameter that got no gradient on a rank contributes zeros there (and its
     residual waits); one that no rank produced a gradient for keeps ``grad = None``.
     """
 
@@ -101,16 +101,18 @@ class BoundCompressedSGD(BoundAlgorithm):
         self.warmup = Warmup(cfg.warmup_steps)
         codec = build_compressor(cfg.compressor, cfg.compressor_options, cfg.error_feedback)
         self.reducer: CompressedReducer = make_reducer(cfg.collective, ctx.comm, codec)
-        dense = {i for i in range(len(ctx.params)) if cfg.compress_vectors or ctx.params[i].dim() > 1}
-        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(cfg.bucket_mb * MIB), self._launch,
-                                 key=lambda i: "compressed" if i in dense else "fp32")
+        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(cfg.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
+        self.exact_segments = [exact_vector_segments(ctx.params, b.param_indices, cfg.compress_vectors)
+                               for b in self.buckets.buckets]
 
     def _launch(self, b: Bucket) -> Handle:
         key, segments, present = f"bucket{b.index}", self.segments[b.index], b.flags > 0
-        if b.key == "fp32" or self.warmup.active(self.steps_done):
+        exact = self.exact_segments[b.index]
+        if self.warmup.active(self.steps_done) or (exact is not None and all(exact)):
             return self.reducer.start_full_precision(b.grads, key, segments, present=present)
-        return self.reducer.start(b.grads, key, segments, present=present)
+        # no copy: step() waits for every bucket before the next backward refills it
+        return self.reducer.start(b.grads, key, segments, present=present, exact_segments=exact, copy=False)
 
     def on_gradient_ready(self, index: int) -> None:
         self.buckets.mark_ready(index, overlap=self.cfg.overlap)
@@ -138,3 +140,10 @@ class BoundCompressedSGD(BoundAlgorithm):
 def bucket_segments(names: list[str], params: list, indices: list[int]) -> list[tuple[str, int]]:
     """``(parameter name, numel)`` for each parameter of a bucket, in bucket order."""
     return [(names[i], params[i].numel()) for i in indices]
+
+
+def exact_vector_segments(params: list, indices: list[int], compress_vectors: bool) -> Optional[list[bool]]:
+    """The reducer's ``exact_segments`` of a bucket: its 1-D (and 0-D) parameters, unless
+    ``compress_vectors``; None when nothing is exact."""
+    exact = [not compress_vectors and params[i].dim() <= 1 for i in indices]
+    return exact if any(exact) else None

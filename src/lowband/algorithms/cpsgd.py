@@ -48,7 +48,7 @@ from ..compressors import build_compressor
 from ..pipeline import make_collective
 from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from .compressed import bucket_segments, check_compression_knobs
+from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments
 from .local_update import FusedSGDStep, TentativeStep, param_group_of
 from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
 
@@ -197,10 +197,14 @@ class BoundCPSGD(BoundAlgorithm):
         self.native = "exact" in start and "present" in start
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.cfg.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
-        # element ranges of 1-D parameters, per bucket: always averaged exactly (unless compress_vectors)
-        self.vector_ranges = [[] if self.cfg.compress_vectors else
-                              [(o, o + ctx.params[i].numel()) for i, o in zip(b.param_indices, b.offsets)
-                               if ctx.params[i].dim() <= 1] for b in self.buckets.buckets]
+        # 1-D parameters are always averaged exactly (unless compress_vectors): in the bucket's own
+        # message where the reducer takes exact_segments=, else as ranges on the side channel
+        self.exact_segments = [exact_vector_segments(ctx.params, b.param_indices, self.cfg.compress_vectors)
+                               for b in self.buckets.buckets]
+        self.inline_vectors = self.native and "exact_segments" in start
+        self.vector_ranges = [[] if ex is None else
+                              [(o, o + ctx.params[i].numel()) for i, o, x in zip(b.param_indices, b.offsets, ex) if x]
+                              for b, ex in zip(self.buckets.buckets, self.exact_segments)]
         if self.cfg.flush_residual_on_correction and self.cfg.correction == "spread" and not self.native:
             raise ValueError("cpsgd: flush_residual_on_correction with the spread correction needs a reducer "
                              "with start(..., exact=, flush_exact=)")
@@ -270,9 +274,13 @@ class BoundCPSGD(BoundAlgorithm):
             return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush)
         exact = self.exact_range(b, t)
         for r in self.vector_ranges[b.index]:           # taken before the share (see _InFlight.result)
-            flight.add_exact(b, r, take=True)
+            flight.add_exact(b, r, take=not self.inline_vectors)
         if exact is not None:
             flight.add_exact(b, exact, take=not self.native)
+        if self.inline_vectors:
+            return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
+                                      flush_exact=self.cfg.flush_residual_on_correction,
+                                      exact_segments=self.exact_segments[b.index])
         if self.native:
             return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
                                       flush_exact=self.cfg.flush_residual_on_correction)

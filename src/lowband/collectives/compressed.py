@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..compressors import Compressor
-from ..compressors.bucket import BucketCodec, ChunkedLayout, Segments, _ChunkFormat, skip_ranges
+from ..compressors.bucket import BucketCodec, ChunkedLayout, Segments, _ChunkFormat, mean_rows, skip_ranges
 from .communicator import Communicator
 
 COLLECTIVES = ("allgather", "two-stage")
@@ -60,7 +60,8 @@ def resolve_collective(kind: str, world_size: int) -> str:
 
 
 def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.ndarray]) -> None:
-    """Put this rank's present flags into the flag bytes of every section of ``buf``."""
+    """Put this rank's present flags into the flag bytes of every section of ``buf`` (sections
+    back to back, ``layout.section`` bytes each)."""
     S = layout.segments
     view = buf.view(-1, layout.section)[:, layout.flag_off:layout.section]
     view.zero_()
@@ -71,17 +72,39 @@ def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.nd
             view[:, :S] = torch.from_numpy(flags.astype(np.uint8)).to(buf.device)
 
 
-def _read_flags(buf: torch.Tensor, layout: ChunkedLayout) -> np.ndarray:
-    """OR over the sections of ``buf`` of their present flags (bool per segment)."""
+def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> np.ndarray:
+    """OR over the sections of ``buf`` (``stride`` bytes apart) of their present flags (bool per
+    segment)."""
     S = layout.segments
     if not S:
         return np.zeros(0, dtype=bool)
-    flags = buf.view(-1, layout.section)[:, layout.flag_off:layout.flag_off + S]
+    flags = buf.view(-1, stride)[:, layout.flag_off:layout.flag_off + S]
     return flags.amax(0).cpu().numpy() > 0
 
 
+def _skipped_segments(flags: Optional[np.ndarray], fixed: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Segments whose chunks are skipped whole: absent on this rank (``~flags``) or exact
+    (``fixed``: they travel in fp32 beside the codes)."""
+    absent = None if flags is None else ~flags
+    if fixed is not None and fixed.any():
+        absent = fixed.copy() if absent is None else (absent | fixed)
+    return absent
+
+
+def _raw_rows(buf: torch.Tensor, rows: int, stride: int, offset: int) -> torch.Tensor:
+    """The fp32 values after byte ``offset`` of each of the ``rows`` records of ``stride`` bytes
+    in ``buf``: a ``[rows, (stride - offset) / 4]`` float view."""
+    return buf[:rows * stride].view(rows, stride)[:, offset:].view(torch.float32)
+
+
 class Plan:
-    """Common part: the worker-side codec over the bucket's layout."""
+    """Common part: the worker-side codec over the bucket's layout.
+
+    ``run`` may carry fp32 values beside the codes, in the same message (``exact``): the
+    reducer's exact elements (segments that are never compressed, CP-SGD's correction share).
+    They are averaged exactly (the sum in rank order, divided by N) and returned with the
+    decoded bucket, so an exact share costs no collective of its own. ``inline_exact`` says
+    whether a plan carries them at no more bytes than an fp32 ring all-reduce would."""
 
     name = ""
 
@@ -94,12 +117,13 @@ class Plan:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
-        """Reused per-plan buffers (one job runs at a time per plan: the pipeline's thread)."""
+        """A reused per-plan byte buffer of at least ``nbytes``, sliced to ``nbytes`` (one job runs
+        at a time per plan: the pipeline's thread)."""
         buf = self._buffers.get(key)
-        if buf is None or buf.device != device:
+        if buf is None or buf.device != device or buf.numel() < nbytes:
             buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             self._buffers[key] = buf
-        return buf
+        return buf[:nbytes]
 
     def worker_skip(self, lo: int, hi: int, absent: Optional[np.ndarray]) -> Optional[np.ndarray]:
         enc = self.worker.enc
@@ -109,9 +133,24 @@ class Plan:
     def server_numel(self) -> int:
         return 0
 
+    @property
+    def inline_exact(self) -> bool:
+        return True
+
+    def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
+            e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
+            exact: Optional[torch.Tensor] = None, fixed: Optional[np.ndarray] = None,
+            ) -> tuple[torch.Tensor, np.ndarray, Optional[torch.Tensor]]:
+        """One exchange of bucket ``g``: ``(decoded average, present per segment, average of
+        exact)``. ``[lo, hi)`` and the segments flagged in ``fixed`` are not coded (codes 0,
+        residuals untouched): the caller sends their values in ``exact`` (fp32, flat)."""
+        raise NotImplementedError
+
 
 class AllgatherPlan(Plan):
-    """One section per rank (chunks = 1); all_gather; decode and average all N."""
+    """One section per rank (chunks = 1); all_gather; decode and average all N. Exact values
+    ride after the section; each rank gets all N copies, (N - 1) x their bytes against an fp32
+    ring all-reduce's 2 (N - 1) / N: equal at 2 ranks, so they go inline only there."""
 
     name = "allgather"
 
@@ -123,23 +162,32 @@ class AllgatherPlan(Plan):
         self.dec = self.worker.runs(np.arange(S), zeros, zeros, lay.seg_off, lay.numel)
         self.dec_table = self.dec.decode_table()
 
-    def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
-            e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
-            ) -> tuple[torch.Tensor, np.ndarray]:
+    @property
+    def inline_exact(self) -> bool:
+        return self.world <= 2
+
+    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None):
         lay, p, dev = self.layout, self.world, g.device
-        send = self._buffer("send", lay.section, dev)
-        self.worker.encode(g, e_worker, send, self.worker_skip(lo, hi, None if flags is None else ~flags))
-        _write_flags(send, lay, flags)
-        gathered = self._buffer("gathered", p * lay.section, dev)
+        R = 0 if exact is None else exact.numel()
+        stride = lay.section + 4 * R
+        send = self._buffer("send", stride, dev)
+        self.worker.encode(g, e_worker, send, self.worker_skip(lo, hi, _skipped_segments(flags, fixed)))
+        _write_flags(send[:lay.section], lay, flags)
+        if R:
+            send[lay.section:].view(torch.float32).copy_(exact)
+        gathered = self._buffer("gathered", p * stride, dev)
         comm.all_gather(gathered, send)
         out = torch.empty(self.numel, dtype=torch.float32, device=dev)
-        self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p))
-        return out, _read_flags(gathered, lay)
+        self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p), stride)
+        mean = mean_rows(_raw_rows(gathered, p, stride, lay.section), p) if R else None
+        return out, _read_flags(gathered, lay, stride), mean
 
 
 class TwoStagePlan(Plan):
     """Compressed all_to_all of chunks, owner-side average and re-compression (server
-    residual), all_gather of the owners' chunks.
+    residual), all_gather of the owners' chunks. Exact values are cut into N chunks that ride
+    after the sections: owner i averages chunk i in fp32 and all-gathers it with its codes,
+    an fp32 ring all-reduce's bytes in the same two messages.
 
     Args:
         server_codec: the codec each chunk's owner re-compresses the average with (with its
@@ -165,17 +213,25 @@ class TwoStagePlan(Plan):
         self.dec1 = self.worker.runs(seg, np.zeros(S, dtype=np.int64), np.full(S, rank, dtype=np.int64),
                                      slay.seg_off, lay.chunk)
         self.dec1_table = self.dec1.decode_table()
-        seg2 = np.repeat(seg, N)
-        own = np.tile(np.arange(N, dtype=np.int64), S)
-        c2 = lay.chunk[seg2]
-        self.dec2 = self.server.runs(seg2, own, np.zeros_like(seg2), lay.seg_off[seg2] + own * c2,
-                                     np.clip(lay.numel[seg2] - own * c2, 0, c2))
-        self.dec2_table = self.dec2.decode_table()
+        self._dec2: dict[int, tuple] = {}
         self._mine_index: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def server_numel(self) -> int:
         return self.server_layout.total
+
+    def dec2(self, stride: int):
+        """(runs, table) decoding every owner's chunks from a gathered buffer whose owners are
+        ``stride`` bytes apart (one table per stride: exact values change it)."""
+        if stride not in self._dec2:
+            lay, N, S = self.layout, self.world, self.layout.segments
+            seg2 = np.repeat(np.arange(S, dtype=np.int64), N)
+            own = np.tile(np.arange(N, dtype=np.int64), S)
+            c2 = lay.chunk[seg2]
+            runs = self.server.runs(seg2, own, np.zeros_like(seg2), lay.seg_off[seg2] + own * c2,
+                                    np.clip(lay.numel[seg2] - own * c2, 0, c2), stride)
+            self._dec2[stride] = (runs, runs.decode_table())
+        return self._dec2[stride]
 
     def mine_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(bucket indices, server-residual indices) of the real elements of my chunks."""
@@ -187,31 +243,44 @@ class TwoStagePlan(Plan):
             self._mine_index = (torch.from_numpy(bucket).to(device), torch.from_numpy(server).to(device))
         return self._mine_index
 
-    def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
-            e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
-            ) -> tuple[torch.Tensor, np.ndarray]:
+    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None):
         lay, slay, p, dev = self.layout, self.server_layout, self.world, g.device
-        # stage 1: chunk i of every segment to rank i
-        send = self._buffer("send", p * lay.section, dev)
-        self.worker.encode(g, e_worker, send, self.worker_skip(lo, hi, None if flags is None else ~flags))
-        _write_flags(send, lay, flags)
-        recv = self._buffer("recv", p * lay.section, dev)
+        R = 0 if exact is None else exact.numel()
+        rc = -(-R // p)                      # exact elements per owner (the last ones padded)
+        # stage 1: chunk i of every segment (and of the exact values) to rank i
+        stride1 = lay.section + 4 * rc
+        codes = self._buffer("codes", p * lay.section, dev)
+        self.worker.encode(g, e_worker, codes, self.worker_skip(lo, hi, _skipped_segments(flags, fixed)))
+        _write_flags(codes, lay, flags)
+        send = codes
+        if rc:
+            send = self._buffer("send", p * stride1, dev)
+            send.view(p, stride1)[:, :lay.section].copy_(codes.view(p, lay.section))
+            padded = torch.zeros(p * rc, dtype=torch.float32, device=dev)
+            padded[:R] = exact
+            _raw_rows(send, p, stride1, lay.section).copy_(padded.view(p, rc))
+        recv = self._buffer("recv", p * stride1, dev)
         comm.all_to_all(recv, send)
-        present = _read_flags(recv, lay)
+        present = _read_flags(recv, lay, stride1)
         # the owner averages the N versions of its chunks, re-compresses with its residual
         avg = torch.empty(slay.total, dtype=torch.float32, device=dev)
-        self.worker.decode(recv, p, self.dec1, self.dec1_table, avg, True, float(p))
-        sbuf = self._buffer("server", slay.section, dev)
+        self.worker.decode(recv, p, self.dec1, self.dec1_table, avg, True, float(p), stride1)
+        stride2 = slay.section + 4 * rc
+        sbuf = self._buffer("server", stride2, dev)
         enc = self.server.enc
-        absent = None if present.all() else ~present
+        absent = _skipped_segments(None if present.all() else present, fixed)
         skip = skip_ranges(self.mine_base, self.mine_len, enc.c, enc.seg, lo, hi, absent)
         self.server.encode(avg, e_server, sbuf, skip)
-        # stage 2: every rank gets every owner's re-compressed chunks
-        gathered = self._buffer("gathered", p * slay.section, dev)
+        if rc:
+            sbuf[slay.section:].view(torch.float32).copy_(mean_rows(_raw_rows(recv, p, stride1, lay.section), p))
+        # stage 2: every rank gets every owner's re-compressed chunks (and exact averages)
+        gathered = self._buffer("gathered", p * stride2, dev)
         comm.all_gather(gathered, sbuf)
         out = torch.empty(self.numel, dtype=torch.float32, device=dev)
-        self.server.decode(gathered, 1, self.dec2, self.dec2_table, out, False, 1.0)
-        return out, present
+        runs, table = self.dec2(stride2)
+        self.server.decode(gathered, 1, runs, table, out, False, 1.0, stride2)
+        mean = _raw_rows(gathered, p, stride2, slay.section).reshape(-1)[:R] if R else None
+        return out, present, mean
 
 
 PLANS = {"allgather": AllgatherPlan, "two-stage": TwoStagePlan}

@@ -277,26 +277,33 @@ class BucketCodec:
             out[dst:dst + raw.numel()] = raw
 
     # -- decode ------------------------------------------------------------------------
-    def runs(self, seg, section_of, chunk_of, dst, length) -> _Runs:
+    def runs(self, seg, section_of, chunk_of, dst, length, stride: Optional[int] = None) -> _Runs:
         """Decode runs (numpy arrays, one entry per run): segment ``seg``'s payload in section
-        ``section_of`` (relative to the source base), produced as chunk ``chunk_of`` (the torch
-        path's ctx); ``length`` decoded elements go to ``out[dst:]``."""
+        ``section_of`` (relative to the source base; sections ``stride`` bytes apart, default
+        one section), produced as chunk ``chunk_of`` (the torch path's ctx); ``length`` decoded
+        elements go to ``out[dst:]``."""
         lay = self.layout
         seg = np.asarray(seg, dtype=np.int64)
-        return _Runs(np.asarray(section_of, dtype=np.int64) * lay.section + lay.pay_off[seg],
+        stride = lay.section if stride is None else int(stride)
+        return _Runs(np.asarray(section_of, dtype=np.int64) * stride + lay.pay_off[seg],
                      np.asarray(length, dtype=np.int64), lay.chunk[seg], np.asarray(dst, dtype=np.int64), seg,
                      np.asarray(chunk_of, dtype=np.int64), lay.words[seg])
 
     def decode(self, src: torch.Tensor, sources: int, runs: _Runs, table: np.ndarray, out: torch.Tensor,
-               from_zero: bool, divisor: float) -> None:
-        """``out[dst : dst+len] = (0 +)? sum over the ``sources`` sections (stride one section)
-        of each run's decoded chunk, / divisor``. ``src``: uint8 bytes."""
+               from_zero: bool, divisor: float, stride: Optional[int] = None) -> None:
+        """``out[dst : dst+len] = (0 +)? sum over the ``sources`` sections of each run's decoded
+        chunk, / divisor``. ``src``: uint8 bytes; source ``q``'s section starts at byte
+        ``q * stride`` (default one section: a message may carry more after each section, a
+        multiple of 4 bytes)."""
+        stride = self.layout.section if stride is None else int(stride)
+        if stride < self.layout.section or stride % 4:
+            raise ValueError(f"decode stride {stride} must be a multiple of 4 and >= the section ({self.layout.section})")
         lib = self._lib(src, out)
         if lib is not None:
             c = self.codec
             t = float(c.threshold) if self.kind == KIND_TWOBIT else 0.0
             bs = int(c.scale_block or 0) if self.kind == KIND_TWOBIT_REL else 0
-            lib.lb_decode(self.kind, src.data_ptr(), self.layout.section // 4, sources, table.ctypes.data, runs.count,
+            lib.lb_decode(self.kind, src.data_ptr(), stride // 4, sources, table.ctypes.data, runs.count,
                           t, bs, int(from_zero), float(divisor), out.data_ptr())
             return
         lay = self.layout
@@ -308,7 +315,7 @@ class BucketCodec:
             like = self.fmt.like(c)
             acc = None
             for q in range(sources):
-                base = int(runs.src[k]) + q * lay.section
+                base = int(runs.src[k]) + q * stride
                 raw = src[base:base + int(lay.pay_bytes[s])].to(out.device)
                 d = self.codec.decompress(bytes_to_payload(raw, like), ctx).reshape(-1).to(torch.float32)[:n]
                 acc = (torch.zeros(n, device=out.device) + d if from_zero else d.clone()) if acc is None else acc.add_(d)
@@ -317,6 +324,27 @@ class BucketCodec:
             if divisor != 1.0:
                 acc = acc.div_(divisor)
             out[dst:dst + n] = acc
+
+
+def mean_rows(rows: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``(rows[0] + rows[1] + ... + rows[K-1]) / divisor`` of a ``[K, n]`` fp32 tensor (rows may
+    be strided), added in row order: the exact average of K ranks' fp32 values with the same
+    bits on every rank (``torch.sum`` changes its order with the row count). Native on CPU,
+    else the bit-identical torch loop."""
+    K, n = rows.shape
+    out = torch.empty(n, dtype=torch.float32, device=rows.device)
+    lib = kernels.library() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
+    if lib is not None and (n == 0 or rows.stride(1) == 1) and K > 0:
+        lib.lb_sum_rows(rows.data_ptr(), rows.stride(0), K, n, float(divisor), out.data_ptr())
+        return out
+    if K == 0:
+        return out.zero_()
+    out.copy_(rows[0])
+    for q in range(1, K):
+        out.add_(rows[q])
+    if divisor != 1.0:
+        out.div_(divisor)
+    return out
 
 
 def payload_nbytes(codec: Compressor, n: int) -> int:

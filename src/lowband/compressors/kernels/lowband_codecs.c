@@ -398,6 +398,20 @@ void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const in
     }
 }
 
+/* Exact fp32 average of K rows: out[j] = (row_0[j] + row_1[j] + ... + row_{K-1}[j]) / divisor,
+ * added in row (rank) order whatever the machine's vector width, so every rank that sums the
+ * same rows gets the same bits. Row q starts at src + q*stride floats. */
+void lb_sum_rows(const float *src, int64_t stride, int64_t K, int64_t n, float divisor, float *out) {
+    for (int64_t j0 = 0; j0 < n; j0 += TILE) {
+        int64_t m = n - j0 < TILE ? n - j0 : TILE;
+        float *a = out + j0;
+        if (K <= 0) { for (int64_t j = 0; j < m; ++j) a[j] = 0.0f; continue; }
+        memcpy(a, src + j0, (size_t)m * sizeof(float));
+        for (int64_t q = 1; q < K; ++q) acc_add(a, src + q * stride + j0, m);
+        if (divisor != 1.0f) for (int64_t j = 0; j < m; ++j) a[j] = a[j] / divisor;
+    }
+}
+
 /* for tests: the canonical sum of x[0..n) (copied, not clobbered) */
 float lb_canon_sum(const float *x, int64_t n) {
     float *tmp = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
