@@ -189,32 +189,50 @@ class _Step:
 
 # -- compressed collectives ------------------------------------------------------------------
 
+def inline_exact(collective: str, world: int) -> bool:
+    """Whether the collective carries a bucket's exact fp32 values in its own message
+    (:attr:`lowband.collectives.compressed.Plan.inline_exact`)."""
+    return collective == "two-stage" or (collective == "allgather" and world <= 2)
+
+
 def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collective: str, codec_name: str,
-                      launch: int, prev_bg: Optional[int], ps_servers: Optional[int]) -> int:
-    """One bucket through a compressed collective; returns its last task.
+                      launch: int, prev_bg: Optional[int], ps_servers: Optional[int], exact_bytes: float = 0.0,
+                      share_bytes: float = 0.0) -> int:
+    """One bucket through a compressed collective; returns its last task. ``nbytes``: fp32
+    bytes of the bucket (every element has its code in the message, exact ones code 0);
+    ``exact_bytes``: fp32 bytes of its exact segments (always in the message as well);
+    ``share_bytes``: of an exact share (in the message where :func:`inline_exact`, else an fp32
+    all-reduce beside it).
 
     two-stage (lowband): encode N chunks per segment -> all_to_all -> decode N versions of own
-    chunk + re-encode it -> all_gather -> decode N chunks. allgather (lowband): encode ->
-    all_gather -> decode N payloads. Both on lowband's single background thread (``prev_bg``
-    chains them). ps (MXNet): encode -> push compressed / pull fp32 -> (server decodes N pushes
-    of its shard); per-key pipelining, not chained."""
+    chunk + re-encode it -> all_gather -> decode N chunks; exact values cut into N chunks ride
+    in both messages. allgather (lowband): encode -> all_gather -> decode N payloads. Both on
+    lowband's single background thread (``prev_bg`` chains them). ps (MXNet): encode -> push
+    compressed / pull fp32 -> (server decodes N pushes of its shard); per-key pipelining, not
+    chained; exact values as an fp32 push/pull beside it."""
     N, cd = st.N, st.p.codec(codec_name)
+    inline = inline_exact(collective, N)
+    raw = exact_bytes + (share_bytes if inline else 0.0)
+    aside = [] if inline or share_bytes <= 0 else [share_bytes]
     if collective == "two-stage":
         e1 = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=N * segments), [launch, prev_bg])
-        a = st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments), [e1])
+        a = st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments) + raw, [e1])
         d1 = st.codec(f"{tag}/decode+reencode",
                       cd.decode_s(nbytes, calls=N * segments) + cd.encode_s(nbytes / N, calls=segments), [a])
-        g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes / N, calls=segments), [d1])
+        g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes / N, calls=segments) + raw / N, [d1])
         return st.codec(f"{tag}/decode", cd.decode_s(nbytes, calls=N * segments), [g])
     if collective == "allgather":
         e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments), [launch, prev_bg])
-        g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes, calls=segments), [e])
-        return st.codec(f"{tag}/decode", cd.decode_s(N * nbytes, calls=N * segments), [g])
+        g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes, calls=segments) + raw, [e])
+        beside = [st.allreduce(f"{tag}/all_reduce exact", b, [e]) for b in aside]
+        return st.codec(f"{tag}/decode", cd.decode_s(N * nbytes, calls=N * segments), [g, *beside])
     if collective == "ps":
         servers = ps_servers or N
         e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments), [launch])
         pp = st.pushpull(f"{tag}/push+pull", cd.payload(nbytes, calls=segments), nbytes, servers, [e])
-        return st.codec(f"{tag}/server-decode", cd.decode_s(nbytes * N / servers, calls=segments * N), [pp])
+        beside = [st.pushpull(f"{tag}/push+pull exact", b, b, servers, [launch])
+                  for b in [exact_bytes + share_bytes] if b > 0]
+        return st.codec(f"{tag}/server-decode", cd.decode_s(nbytes * N / servers, calls=segments * N), [pp, *beside])
     raise ValueError(f"unknown collective {collective!r} (model: two-stage, allgather, ps)")
 
 
@@ -337,15 +355,19 @@ def _collective(o: dict, world: int) -> str:
     return kind if kind == "ps" else resolve_collective(kind, world)
 
 
-def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
-    """Synchronous compressed SGD after its warm-up: matrices in compressed buckets through the
-    collective on the background thread, launched during backward; 1-D parameters (unless
-    ``compress_vectors``) in fp32 all-reduce buckets; the optimizer waits for both."""
+def _exact_bytes(st: _Step, group: list[int], compress_vectors: bool) -> float:
+    """fp32 bytes of a bucket's exact segments: its 1-D parameters unless ``compress_vectors``
+    (:func:`lowband.algorithms.compressed.exact_vector_segments`)."""
     params = st.p.params
-    dense = [i for i in range(len(params)) if o.get("compress_vectors", False) or len(params[i].shape) > 1]
-    vectors = sorted(set(range(len(params))) - set(dense))
-    bucket_mb = o.get("bucket_mb", 1.0)
-    groups, vgroups = st.buckets(dense, bucket_mb), st.buckets(vectors, bucket_mb)
+    return 0.0 if compress_vectors else st.nbytes([i for i in group if len(params[i].shape) <= 1])
+
+
+def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
+    """Synchronous compressed SGD after its warm-up: buckets of all parameters through the
+    collective on the background thread, launched during backward, their 1-D parameters
+    (unless ``compress_vectors``) in fp32 in the same message; a bucket of only 1-D
+    parameters is an fp32 all-reduce. The optimizer waits for every bucket."""
+    groups = st.buckets(range(len(st.p.params)), o.get("bucket_mb", 1.0))
     overlap = o.get("overlap", True)
     collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
     ends, prev, bg = [], None, None
@@ -354,11 +376,15 @@ def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
         extra = () if overlap else (b,)
         done = []
         for j, launch in enumerate(st.launches(s, groups, ready, extra)):
-            bg = _compressed_chain(st, f"s{s}/bucket{j}", st.nbytes(groups[j]), len(groups[j]), collective,
-                                   codec_name, launch, bg if collective != "ps" else None, o.get("ps_servers"))
+            nb, exact = st.nbytes(groups[j]), _exact_bytes(st, groups[j], o.get("compress_vectors", False))
+            chained = bg if collective != "ps" else None
+            if exact >= nb:
+                bg = _fp32_chain(st, f"s{s}/bucket{j}", nb + 4 * len(groups[j]), collective, launch, chained,
+                                 o.get("ps_servers"))
+            else:
+                bg = _compressed_chain(st, f"s{s}/bucket{j}", nb, len(groups[j]), collective, codec_name,
+                                       launch, chained, o.get("ps_servers"), exact_bytes=exact)
             done.append(bg)
-        for j, launch in enumerate(st.launches(s, vgroups, ready, extra)):
-            done.append(st.allreduce(f"s{s}/vectors{j}", st.nbytes(vgroups[j]) + 4 * len(vgroups[j]), [launch]))
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
         ends.append(prev)
     return ends
@@ -371,14 +397,9 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
     update; step t+1's forward waits only for that. Correction ``burst``: every k-th step all
     buckets fp32; ``spread`` (the default): every step 1/k of each bucket's elements fp32 and
     the rest compressed. ``compress_vectors=False`` (the default) sends 1-D parameters exact,
-    through the same background queue. The knobs come from :class:`lowband.CPSGD`'s defaults
+    in the bucket's own message (as the share, where the collective carries it inline). The knobs come from :class:`lowband.CPSGD`'s defaults
     (:func:`estimate`)."""
-    params = st.p.params
-    exact_vectors = not o.get("compress_vectors", False)
-    dense = [i for i in range(len(params)) if not exact_vectors or len(params[i].shape) > 1]
-    vectors = sorted(set(range(len(params))) - set(dense))
-    groups = st.buckets(dense, o.get("bucket_mb", 1.0))
-    vgroups = st.buckets(vectors, o.get("bucket_mb", 1.0))
+    groups = st.buckets(range(len(st.p.params)), o.get("bucket_mb", 1.0))
     collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
     k = o.get("correction_period", 20)
     mode = o.get("correction", "spread")
@@ -394,22 +415,18 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
         done = []
         correcting = mode == "burst" and k is not None and s % k == 0
         for j, launch in enumerate(st.launches(s, groups, ready)):
-            nb, segs, tag = st.nbytes(groups[j]), len(groups[j]), f"s{s}/bucket{j}"
+            nb, tag = st.nbytes(groups[j]), f"s{s}/bucket{j}"
+            exact = _exact_bytes(st, groups[j], o.get("compress_vectors", False))
             snap = st.compute(f"{tag}/snapshot", 0.0, [launch], priority=0)
+            chained = bg if serial else None
             if correcting:
-                bg = _fp32_chain(st, tag, nb, collective, snap, bg if serial else None, o.get("ps_servers"))
-            elif mode == "spread" and k is not None:
-                bg = _compressed_chain(st, tag, nb * (1 - 1 / k), segs, collective, codec_name, snap,
-                                       bg if serial else None, o.get("ps_servers"))
-                bg = _fp32_chain(st, tag + "/exact", nb / k, collective, bg if serial else snap,
-                                 bg if serial else None, o.get("ps_servers"))
+                bg = _fp32_chain(st, tag, nb, collective, snap, chained, o.get("ps_servers"))
+            elif mode == "spread" and k is not None:     # 1/k of the bucket's elements exact
+                bg = _compressed_chain(st, tag, nb, len(groups[j]), collective, codec_name, snap, chained,
+                                       o.get("ps_servers"), exact_bytes=exact, share_bytes=nb / k)
             else:
-                bg = _compressed_chain(st, tag, nb, segs, collective, codec_name, snap, bg if serial else None,
-                                       o.get("ps_servers"))
-            done.append(bg)
-        for j, launch in enumerate(st.launches(s, vgroups, ready)):
-            bg = _fp32_chain(st, f"s{s}/vectors{j}", st.nbytes(vgroups[j]), collective, launch,
-                             bg if serial else None, o.get("ps_servers"))
+                bg = _compressed_chain(st, tag, nb, len(groups[j]), collective, codec_name, snap, chained,
+                                       o.get("ps_servers"), exact_bytes=exact)
             done.append(bg)
         if fused:
             prev = st.compute(f"s{s}/global optimizer + local update (fused)", st.p.fused_update_s, [b, *in_flight])
