@@ -170,6 +170,22 @@ def test_compressed_sends_1d_parameters_inside_the_bucket_message(n, collective)
     assert est.step_s == pytest.approx(seconds, rel=1e-3)
 
 
+def test_ddp_powersgd_charges_the_hook_phases_the_profile_measured():
+    """With the hook's own three phases in the profile and a free network, the step is compute
+    plus the three phases, in sequence after backward."""
+    import dataclasses
+    from lowband.perf.profile import measure_powersgd_hook
+    phases = measure_powersgd_hook([(64, 32), (64,), (16, 8, 3, 3)], rank=2, reps=3)
+    assert len(phases) == 3 and min(phases) > 0
+    prof = make_profile([2048, 1], [0.01, 0.0], forward=0.005, optimizer=0.001, shares=True)
+    prof.params[0] = dataclasses.replace(prof.params[0], shape=[64, 32])
+    prof = dataclasses.replace(prof, powersgd_hook_s={"2": [0.003, 0.002, 0.001]})
+    est = estimate(prof, "ddp-powersgd", {}, Cluster(2, Network(1e15, 0.0)))
+    assert est.step_s == pytest.approx(0.005 + 0.01 + 0.006 + 0.001, rel=1e-6)
+    with pytest.raises(Exception, match="powersgd_hook_s"):
+        dataclasses.replace(prof, powersgd_hook_s={"2": [0.1, -1.0, 0.0]}).check()
+
+
 def test_codec_sharing_the_processor_is_never_faster():
     prof = make_profile([300_000, 300_000], [0.01, 0.01], codec=_codec(), shares=True)
     net = Network(1 * GBIT, 1e-5)
@@ -260,6 +276,8 @@ def test_measured_profile_round_trips(tmp_path):
     if kernels.library() is not None:      # plain SGD on CPU: the fused pass is what cpsgd runs
         assert back.fused_update_s is not None and 0 < back.fused_update_s < prof.optimizer_s * 5
     assert back.codecs["1bit"].encode_gbps > 0 and "bucket-level" in back.codecs["1bit"].note  # native: as the collectives run it
+    # PyTorch's PowerSGD hook, by rank: three phases, more work at a higher rank
+    assert sorted(back.powersgd_hook_s) == ["1", "2", "4"] and back.powersgd_hook_s == prof.powersgd_hook_s
 
 
 def test_language_model_profiles_with_byte_batches():

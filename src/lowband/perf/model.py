@@ -326,23 +326,30 @@ def _powersgd_sizes(st: _Step, rank: int, min_rate: float) -> tuple[float, float
 def _ddp_powersgd(st: _Step, o: dict, steps: int) -> list[int]:
     """PyTorch's layer-wise powerSGD_hook on one bucket (lowband requires one on gloo): at the
     end of backward, the uncompressed tensors' all-reduce, then P = MQ, all-reduce P,
-    orthogonalise and Q = M^T P, all-reduce Q, M = P Q^T, all on the compute thread. The matmul
-    costs are approximated by lowband's own ``powersgd`` codec (rank 4, per-parameter segments)
-    from the profile, scaled by rank / 4; steady state (after start_powerSGD_iter)."""
+    orthogonalise and Q = M^T P, all-reduce Q, M = P Q^T, all on the compute thread. The three
+    compute phases are the profile's ``powersgd_hook_s`` at this rank where it measured them
+    (the hook's own ops on the model's matrices); otherwise they are approximated by lowband's
+    own ``powersgd`` codec (rank 4, per-parameter segments), scaled by rank / 4. Steady state
+    (after start_powerSGD_iter)."""
     rank = o.get("matrix_approximation_rank", 2)
     unc, pbytes, qbytes, comp = _powersgd_sizes(st, rank, o.get("min_compression_rate", 2.0))
-    cd = st.p.codec("powersgd")
-    scale = rank / 4.0
-    encode = cd.encode_s(comp) * scale
+    measured = st.p.powersgd_hook_s.get(str(rank))
+    if measured is not None:
+        p_s, q_s, m_s = measured
+    else:
+        cd = st.p.codec("powersgd")
+        scale = rank / 4.0
+        p_s = q_s = cd.encode_s(comp) * scale / 2
+        m_s = cd.decode_s(comp) * scale
     ends, prev = [], None
     for s in range(steps):
         _, _, b = st.forward_backward(s, [prev])
         u = st.allreduce(f"s{s}/uncompressed", unc, [b])
-        p = st.compute(f"s{s}/P=MQ", encode / 2, [b], priority=0)
+        p = st.compute(f"s{s}/P=MQ", p_s, [b], priority=0)
         rp = st.allreduce(f"s{s}/all_reduce P", pbytes, [p])
-        q = st.compute(f"s{s}/Q=M^T P", encode / 2, [rp], priority=0)
+        q = st.compute(f"s{s}/Q=M^T P", q_s, [rp], priority=0)
         rq = st.allreduce(f"s{s}/all_reduce Q", qbytes, [q])
-        d = st.compute(f"s{s}/M=PQ^T", cd.decode_s(comp) * scale, [rq], priority=0)
+        d = st.compute(f"s{s}/M=PQ^T", m_s, [rq], priority=0)
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [u, d])
         ends.append(prev)
     return ends

@@ -12,7 +12,11 @@ A profile is a small JSON document (``FORMAT``):
 * ``forward_s`` (forward plus loss) and ``optimizer_s`` (one ``optimizer.step()``) at
   ``batch_size`` samples per worker; ``fused_update_s`` (optional): CP-SGD's global SGD step
   plus its look-ahead tentative step as the one native pass lowband runs on CPU with plain SGD
-  (``FusedSGDStep``), where it was measured;
+  (``FusedSGDStep``), where it was measured; ``powersgd_hook_s`` (optional): the compute of
+  PyTorch's ``powerSGD_hook`` on the model's matrices per step, by rank, as three phases
+  (before the P all-reduce: error feedback and P = MQ; between the all-reduces: orthogonalise
+  P and Q = M^T P; after: M = PQ^T and the new error), measured with the hook's own ops
+  (:func:`measure_powersgd_hook`);
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
   input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),
   and the payload size as a ratio of the fp32 bytes plus a fixed number of bytes per call.
@@ -118,6 +122,7 @@ class Profile:
     backward_tail_s: float = 0.0
     buffer_bytes: int = 0
     fused_update_s: Optional[float] = None
+    powersgd_hook_s: dict[str, list[float]] = field(default_factory=dict)
     codecs: dict[str, CodecInfo] = field(default_factory=dict)
     codec_shares_compute: bool = True
     source: str = ""
@@ -194,6 +199,9 @@ class Profile:
         if self.batch_size < 1 or min([self.forward_s, self.optimizer_s, self.backward_tail_s, *self.backward_s,
                                        self.fused_update_s or 0.0]) < 0:
             raise ProfileError(f"{where}: times must be >= 0 and batch_size >= 1")
+        for r, phases in self.powersgd_hook_s.items():
+            if not (str(r).isdigit() and int(r) >= 1 and len(phases) == 3 and min(phases) >= 0):
+                raise ProfileError(f"{where}: powersgd_hook_s[{r!r}] must be three times >= 0 for a rank >= 1")
         for name, c in self.codecs.items():
             if not (c.encode_gbps > 0 and c.decode_gbps > 0):
                 raise ProfileError(f"{where}: codec {name!r} needs positive encode_gbps and decode_gbps")
@@ -320,6 +328,74 @@ def _time(fn, reps: int) -> float:
     return _median(times)
 
 
+#: ranks at which ``lowband profile`` measures PowerSGD's hook (``ddp-powersgd``'s default is 2)
+POWERSGD_RANKS = (1, 2, 4)
+
+
+def measure_powersgd_hook(shapes: Sequence[Sequence[int]], rank: int, reps: int = 10,
+                          min_compression_rate: float = 2.0) -> list[float]:
+    """Seconds per step of PyTorch's ``powerSGD_hook`` compute on one bucket of parameters
+    ``shapes``, in its three phases (see the module docstring), with its defaults (warm start,
+    error feedback, no batching of same-shape matrices). The ops are the hook's own, with its
+    ``_orthogonalize``; its all-reduces are not run (the model charges them as messages)."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize, _should_compress
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    bucket = torch.randn(sum(sizes), generator=gen) * 1e-3
+    error = torch.zeros_like(bucket)
+    views = list(torch.split(bucket, sizes))
+    matrices, rest = [], []
+    for v, s in zip(views, shapes):
+        if len(s) < 2:
+            rest.append(v)
+            continue
+        m = v.view(s[0], -1)
+        r = min(m.shape[0], m.shape[1], rank)
+        (matrices if _should_compress(m.shape[0], m.shape[1], r, min_compression_rate)[0] else rest).append(m)
+    ranks = [min(m.shape[0], m.shape[1], rank) for m in matrices]
+    ps = [torch.empty(1, m.shape[0], r) for m, r in zip(matrices, ranks)]
+    qs = [torch.randn(1, m.shape[1], r, generator=gen) for m, r in zip(matrices, ranks)]
+    batched = [m.unsqueeze(0) for m in matrices]
+    state: dict = {}
+
+    def phase_p():
+        bucket.add_(error)
+        state["copy"] = bucket.detach().clone()
+        state["rest"] = torch.cat([t.reshape(-1) for t in rest]) if rest else torch.tensor([])
+        for q in qs:
+            _orthogonalize(q, 0)
+        for m, q, p in zip(batched, qs, ps):
+            torch.bmm(m, q, out=p)
+
+    def phase_q():
+        for p in ps:
+            _orthogonalize(p, 0)
+        for m, p, q in zip(batched, ps, qs):
+            torch.bmm(m.transpose(1, 2), p, out=q)
+
+    def phase_m():
+        off = 0
+        for t in rest:
+            t.copy_(state["rest"][off:off + t.numel()].view_as(t))
+            off += t.numel()
+        for p, q, m in zip(ps, qs, batched):
+            torch.bmm(p, q.transpose(1, 2), out=m)
+        error.copy_(state["copy"] - bucket)
+
+    grad = bucket.clone()
+    times: list[list[float]] = [[], [], []]
+    for i in range(reps + 1):            # the first is a warm-up (allocations, first touch)
+        bucket.copy_(grad)               # every repetition starts from the same gradient (untimed)
+        for k, fn in enumerate((phase_p, phase_q, phase_m)):
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                times[k].append(time.perf_counter() - t0)
+    return [_median(t) for t in times]
+
+
 #: options for codecs that need one to be built at all (the ratio of lowband's byte benchmark)
 PROFILE_CODEC_OPTIONS: dict[str, dict[str, Any]] = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}
 
@@ -413,11 +489,14 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
     for name in (COMPRESSORS if codecs is None else codecs):
         say(f"codec: {name}")
         infos[name] = measure_codec(name, sizes)
+    say(f"PowerSGD hook: ranks {', '.join(map(str, POWERSGD_RANKS))}")
+    shapes = [p.shape for p in c["params"]]
+    hook = {str(r): measure_powersgd_hook(shapes, r) for r in POWERSGD_RANKS}
     return Profile(
         model=model_name, batch_size=batch_size, forward_s=c["forward_s"], optimizer_s=c["optimizer_s"],
         params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
         backward_tail_s=c["backward_tail_s"], buffer_bytes=c["buffer_bytes"],
-        fused_update_s=c["fused_update_s"], codecs=infos,
+        fused_update_s=c["fused_update_s"], powersgd_hook_s=hook, codecs=infos,
         codec_shares_compute=True,
         source=f"measured by `lowband profile --model {model_name} --batch-size {batch_size}` "
                f"(median of {reps} steps, {threads} thread(s), torch {torch.__version__})",
