@@ -243,11 +243,17 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None) 
 
 def render(rows: list[dict], profile_name: str, profile) -> str:
     within = sum(1 for r in rows if abs(r["error"]) <= TARGET)
+    by_commit: dict[str, set] = {}
+    for r in rows:
+        by_commit.setdefault(r["commit"], set()).add(r["algorithm"])
+    commits = "; ".join(f"{c} ({', '.join(sorted(a, key=lambda x: ALGO_ORDER.get(x.replace(':', '-'), 99)))})"
+                        for c, a in sorted(by_commit.items()))
+    example = f", e.g. `{rows[0]['command']}`" if rows else ""
     lines = [
         f"Profile: `{profile_name}` ({profile.source}; {profile.machine}; {profile.date}).",
-        f"Runs: commit {', '.join(sorted({r['commit'] for r in rows}))}; "
-        f"dates {', '.join(sorted({r['date'] for r in rows}))}; one `lowband bench --algorithms noop,ALG` per algorithm, link and worker count (the commits differ only in lowband/perf, benchmarks and docs: the algorithms under test are the same code), e.g. "
-        f"`{rows[0]['command']}` if rows else ''.",
+        f"Runs, by the commit each algorithm's pairs ran on: {commits}; "
+        f"dates {', '.join(sorted({r['date'] for r in rows}))}; one `lowband bench --algorithms noop,ALG` per "
+        f"algorithm, link and worker count{example}.",
         f"Regenerate: `python benchmarks/validate_perfmodel.py report --out DIR --profile {profile_name} --doc docs/results.md`.",
         "",
         f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = the run's steady steps "
