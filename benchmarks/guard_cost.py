@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from ranks import run_ranks
 
 POLICIES = ("off", "raise", "skip")
 #: first steps of each engine left out of the median (allocation, first touch)
@@ -87,17 +87,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     print("command: python " + " ".join(sys.argv))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.workers, port, args, queue)) for r in range(args.workers)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get() for _ in procs)
-    for proc in procs:
-        proc.join()
+    results = run_ranks(worker, args.workers, args)
     times = results[0]   # rank 0's view; every rank waits for the same collectives
     base = statistics.median(times["off"])
     print("| nonfinite | median step ms | vs off |")

@@ -21,9 +21,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from lowband.launcher import free_port
+from ranks import run_ranks
 
 #: (module, class or None, attribute, key) of what is timed
 TIMED = [
@@ -111,14 +110,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=20)
     ap.add_argument("--nonfinite", default="raise")
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.workers, port, args, queue)) for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_ranks(_worker, args.workers, args)
     print(f"# {args.algorithm}, cnn, {args.workers} gloo ranks on loopback, median ms per step after {args.skip} steps")
     keys = sorted({k for r in results.values() for k in r}, key=lambda k: list(results[0]).index(k) if k in results[0] else 99)
     print("| rank | " + " | ".join(keys) + " |")

@@ -27,9 +27,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from lowband.launcher import free_port
+from ranks import run_ranks
 
 VARIANTS = {
     "noop": ("noop", {}, False),
@@ -80,15 +79,7 @@ def _variant(spec: str) -> tuple[str, dict, bool]:
 
 
 def run(variant: str, world: int, steps: int) -> float:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, variant, steps, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = [queue.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return max(r[1] for r in rows)
+    return max(run_ranks(_worker, world, variant, steps).values())
 
 
 def main() -> None:
