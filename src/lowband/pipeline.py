@@ -218,20 +218,17 @@ class CompressedReducer:
         if b is not None:
             if b.segments != segments:
                 raise ValueError(f"bucket {name!r} was started with other segments before")
-            if not np.array_equal(b.fixed if b.fixed is not None else np.zeros(len(segments), dtype=bool),
-                                  fixed if fixed is not None else np.zeros(len(segments), dtype=bool)):
+            if (b.fixed is None) != (fixed is None) or (fixed is not None and not np.array_equal(b.fixed, fixed)):
                 raise ValueError(f"bucket {name!r} was started with other exact_segments before")
             return b
         plan = make_plan(self.name, self.world_size, self.rank, segments, self.codec, self.server_codec)
         e_worker = torch.zeros(plan.numel, dtype=torch.float32, device=device) if self.error_feedback else None
         e_server = torch.zeros(plan.server_numel, dtype=torch.float32, device=device) if plan.server_numel else None
         fixed_index = None
-        if fixed is not None and fixed.any():
+        if fixed is not None:
             lay = plan.layout
             fixed_index = torch.from_numpy(np.concatenate(
                 [np.arange(o, o + n, dtype=np.int64) for o, n, f in zip(lay.seg_off, lay.numel, fixed) if f])).to(device)
-        else:
-            fixed = None
         b = _Bucket(segments, plan, e_worker, e_server, fixed, fixed_index)
         self._buckets[name] = b
         self._restore(b)
@@ -281,6 +278,8 @@ class CompressedReducer:
             fixed = np.asarray([bool(x) for x in exact_segments], dtype=bool)
             if fixed.size != len(segs):
                 raise ValueError(f"exact_segments has {fixed.size} entries for {len(segs)} segments")
+            if not fixed.any():
+                fixed = None          # nothing exact: the same bucket as without exact_segments
         flat = tensor.detach().reshape(-1)
         snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
         return self.pipeline.submit(self._run, name, segs, snapshot, _flags(present, len(segs)), lo, hi, flush_exact,
