@@ -13,6 +13,8 @@ Two phases, so each timing run stays short (run one `run` per link and worker co
 What is predicted and what is taken from the run under test:
 * measured on the link (probe, before the bench): per-message latency (median all_reduce time
   of 64 bytes / 2(N-1)) and bulk efficiency (4 MiB all_reduce rate / nominal rate);
+* known from the link's set-up: tc tbf's bucket depth (``lowband.netem.auto_burst`` of the
+  rate, the default every bench run uses; ``--no-burst`` predicts with a plain rate limit);
 * measured in the same bench run: the compute-only (`noop`) step time, which gives the
   compute scale (noop step / profile compute step: CPU contention of N workers on this
   machine's cores, and the load of the machine at the time). Each algorithm gets its own
@@ -190,11 +192,11 @@ def measured_tau(steps: list[dict]) -> tuple[float, int]:
     return (len(steps) / syncs if syncs else float(len(steps))), syncs
 
 
-def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None) -> None:
+def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, burst: bool = True) -> None:
     from lowband.perf.model import MODELS, Cluster, estimate
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
-    from lowband.netem import parse_rate
+    from lowband.netem import auto_burst, parse_rate
 
     with open(os.path.join(group_dir, "validation-run.json")) as f:
         meta = json.load(f)
@@ -204,7 +206,9 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None) 
     pr = meta["probe"]
     if latency_s is not None:
         pr = {**pr, "latency_s": latency_s}
-    network = Network(rate, pr["latency_s"], pr["efficiency"])
+    # the runs shaped with netem's default bucket (bench has no burst flag): tc syntax "98304b"
+    burst_bytes = float(auto_burst(rate).rstrip("b")) if burst else 0.0
+    network = Network(rate, pr["latency_s"], pr["efficiency"], burst_bytes=burst_bytes)
     runs = {row["algorithm"]: os.path.join(group_dir, "runs", f"{meta['link']}-{world}w-{row['algorithm'].replace(':', '-')}")
             for row in results["rows"]}
     noop_steps = steady_steps(runs["noop"], "noop", 1)
@@ -295,7 +299,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                     if json.load(f).get("source_changed"):
                         print(f"{pair}: src/ changed during its run; skipped", file=sys.stderr)
                         continue
-                predict_pair(pair, profile, rows, None if args.latency is None else parse_latency(args.latency))
+                predict_pair(pair, profile, rows, None if args.latency is None else parse_latency(args.latency),
+                             burst=not args.no_burst)
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
         return 2
@@ -324,6 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--doc", default=None)
     p.add_argument("--section", default="perfmodel-validation")
     p.add_argument("--latency", default=None, help="use this per-message latency (e.g. 100us) instead of the probe's")
+    p.add_argument("--no-burst", action="store_true",
+                   help="predict with a plain rate limit, without the links' tbf bucket (the model before 2026-12-02)")
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-worker":
         probe_worker(int(sys.argv[2]), int(sys.argv[3]))
         return 0

@@ -11,7 +11,7 @@ from lowband.collectives import wire
 from lowband.perf.model import MODELS, Cluster, algorithm_defaults, estimate, lazy_split
 from lowband.perf.network import Network, parse_latency
 from lowband.perf.profile import CodecInfo, ParamInfo, Profile, load_profile
-from lowband.perf.simulate import Graph
+from lowband.perf.simulate import Graph, Task, TokenBucket
 
 GBIT = 1e9
 
@@ -289,6 +289,12 @@ def test_language_model_profiles_with_byte_batches():
     assert [p.name for p in prof.params].count("tok.weight") == 1 and "head.weight" not in [p.name for p in prof.params]
 
 
+def test_parse_bytes():
+    from lowband.perf.network import parse_bytes
+    assert parse_bytes("96kb") == 96 * 1024 and parse_bytes("98304b") == 98304 and parse_bytes("2mb") == 2 << 20
+    assert parse_bytes("0") == 0.0 and parse_bytes(" 10 ") == 10.0
+
+
 def test_parse_latency():
     assert parse_latency("5us") == pytest.approx(5e-6)
     assert parse_latency("0.2ms") == pytest.approx(2e-4)
@@ -305,11 +311,22 @@ def test_plan_cli_prints_a_table_and_plots(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and out.exists()
     assert "| cpsgd:correction_period=10 | 8 |" in text and "speedup" in text
+    # a tbf-shaped 50 Mbit/s link: compressed's small message mostly fits the bucket
+    plain = ["plan", "--profile", "cnn-2core", "--workers", "2", "--bandwidth", "50mbit", "--algorithms", "compressed"]
+    step = {}
+    for burst in ("0", "96kb"):
+        assert main([*plain, "--burst", burst]) == 0
+        text = capsys.readouterr().out
+        step[burst] = float(text.split("| compressed | 2 | ")[1].split(" |")[0])
+        assert ("burst 96kb" in text) == (burst != "0")
+    assert step["96kb"] < step["0"]
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--bandwidth", "fast"], "invalid rate 'fast'"),
     (["--bandwidth", "1gbit", "--latency", "soon"], "invalid latency 'soon'"),
+    (["--bandwidth", "1gbit", "--burst", "lots"], "invalid size 'lots'"),
+    (["--bandwidth", "1gbit", "--burst=-1kb"], "invalid size '-1kb': must be >= 0"),
     (["--bandwidth", "1gbit", "--algorithms", "magic"], "no performance model for algorithm 'magic'"),
     (["--bandwidth", "1gbit", "--algorithms", "ssgd:no_such_knob=1"], "bad options for algorithm 'ssgd'"),
     (["--bandwidth", "1gbit", "--workers", "0"], "--workers values must be >= 1"),
@@ -355,3 +372,54 @@ def test_profile_cli_bad_input_is_one_line(args, expected, capsys, tmp_path):
     rc = main(["profile", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and expected in err[0], err
+
+
+def test_token_bucket_lets_a_burst_through_at_line_speed_then_the_rate():
+    """tc tbf's bucket: after an idle period up to ``burst`` bytes pass at once; what follows
+    back to back pays the rate; an idle gap refills the bucket at the nominal rate."""
+    rate, burst, lat = 50e6, 96 * 1024, 1e-3          # 50 Mbit/s, 96 KB, 1 ms per message
+    net = Network(rate, lat, burst_bytes=burst)
+    per_byte = 8 / rate
+
+    def step(n: int, nbytes: float, gap: float = 0.0) -> tuple[list[float], float]:
+        g = Graph()
+        g.shapers["net"] = TokenBucket(burst, rate / 8, per_byte)
+        prev = None
+        for i in range(n):
+            delay = g.add(f"gap{i}", None, gap if i else 0.0, [prev])
+            prev = g.add(f"m{i}", "net", net.allgather_s(nbytes, 2), [delay])
+            g.tasks[prev].shaped_bytes = wire.allgather_bytes(nbytes, 2)
+        g.run()
+        ms = [t for t in g.tasks if t.name.startswith("m")]
+        return [t.end - t.start for t in ms], g.run()
+
+    small, _ = step(1, 40e3)                 # fits: only the message's latency remains
+    assert small == [pytest.approx(lat)]
+    big, _ = step(1, 150e3)                  # 96 KB early, the rest at the rate
+    assert big == [pytest.approx(lat + (150e3 - burst) * per_byte)]
+    two, _ = step(2, 60e3)                   # back to back: the second finds 36 KB left
+    assert two == [pytest.approx(lat), pytest.approx(lat + (60e3 - (burst - 60e3)) * per_byte)]
+    refilled, _ = step(2, 60e3, gap=0.1)     # 100 ms at 6.25 MB/s refills the whole bucket
+    assert refilled == [pytest.approx(lat), pytest.approx(lat)]
+    # the simulation is repeatable: the bucket starts full on every run
+    g = Graph()
+    g.shapers["net"] = TokenBucket(burst, rate / 8, per_byte)
+    g.tasks.append(Task("m", "net", 1.0, []))
+    g.tasks[0].shaped_bytes = 1e9
+    assert g.run() == pytest.approx(g.run())
+
+
+def test_the_step_model_applies_the_links_bucket_and_zero_burst_is_the_plain_rate():
+    numel = 30_000                               # a 120 KB gradient: bigger than the bucket
+    prof = make_profile([numel], [0.02], forward=0.01, optimizer=0.0)
+    plain, tbf = Network(50e6, 1e-4), Network(50e6, 1e-4, burst_bytes=96 * 1024)
+    est0 = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(2, plain))
+    est1 = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(2, tbf))
+    bucket = 4 * numel + 4
+    wire_bytes = wire.allreduce_bytes(bucket, 2)
+    assert est0.step_s == pytest.approx(0.03 + plain.allreduce_s(bucket, 2))
+    # one all-reduce per step, 30 ms of compute between them: 192 KB of refill, a full bucket each time
+    assert est1.step_s == pytest.approx(0.03 + plain.allreduce_s(bucket, 2) - 96 * 1024 * 8 / 50e6)
+    assert est1.bytes_sent == pytest.approx(est0.bytes_sent) == pytest.approx(wire_bytes)
+    with pytest.raises(ValueError):
+        Network(50e6, burst_bytes=-1)

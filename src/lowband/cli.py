@@ -255,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--latency", default="0", help="per-message latency, e.g. 5us, 0.2ms (default: %(default)s)")
     pl.add_argument("--efficiency", type=float, default=1.0,
                     help="achieved fraction of the link rate for bulk transfers (default: %(default)s)")
+    pl.add_argument("--burst", default="0",
+                    help="token-bucket depth of each link, e.g. 96kb: after an idle period that many bytes pass at "
+                         "line speed (tc tbf's burst, as on lowband bench's emulated links); 0 = a plain rate "
+                         "limit (default: %(default)s)")
     pl.add_argument("--algorithms", default="ssgd,compressed,cpsgd,lazy",
                     help="comma-separated NAME[:KEY=VALUE...] with the algorithms' own knobs plus the model's "
                          "what-ifs: lazy:tau=T, ssgd|lazy:pattern=pcnn, compressed|cpsgd:collective=ps, "
@@ -489,7 +493,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import netem
-    from .perf.network import Network, parse_latency
+    from .perf.network import Network, parse_bytes, parse_latency
     from .perf.plan import format_rows, plot_speedup, run_plan
     from .perf.profile import ProfileError, load_profile
     try:
@@ -501,7 +505,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rate = netem.parse_rate(args.bandwidth)
         if rate is None:
             raise ValueError("--bandwidth needs a rate (e.g. 56gbit); 'none' has no time model")
-        network = Network(rate, parse_latency(args.latency), args.efficiency)
+        network = Network(rate, parse_latency(args.latency), args.efficiency, burst_bytes=parse_bytes(args.burst))
         workers = _int_list(args.workers, "--workers")
         algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
         if not algorithms:
@@ -510,7 +514,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (ProfileError, ValueError) as e:
         raise UsageError(str(e)) from None
     print(f"profile: {args.profile} ({prof.model}, batch {prof.batch_size} per worker; {prof.source})")
-    print(f"network: {args.bandwidth} per worker, latency {args.latency} per message, efficiency {args.efficiency}; "
+    burst = f", burst {args.burst}" if network.burst_bytes > 0 else ""
+    print(f"network: {args.bandwidth} per worker, latency {args.latency} per message, efficiency {args.efficiency}{burst}; "
           f"one-worker compute-only step {1e3 * prof.compute_s * args.compute_scale:.1f} ms")
     print(format_rows(rows))
     if args.out:

@@ -32,7 +32,7 @@ from ..collectives.compressed import resolve_collective
 from ..collectives.wire import MIB
 from .network import Network
 from .profile import Profile
-from .simulate import Graph
+from .simulate import Graph, TokenBucket
 
 #: options the model understands beyond the algorithms' own knobs (what-if inputs)
 MODEL_OPTIONS = {
@@ -114,6 +114,9 @@ class _Step:
         self.N = cluster.workers
         self.net = cluster.network
         self.g = Graph()
+        if self.net.burst_bytes > 0:    # the link's token bucket (tc tbf), carried across collectives
+            self.g.shapers["net"] = TokenBucket(self.net.burst_bytes, self.net.bandwidth_bps / 8.0,
+                                                self.net.transfer_s(1.0))
         shares = prof.codec_shares_compute if cluster.codec_shares_compute is None else cluster.codec_shares_compute
         self.codec_res = "compute" if shares else "codec"
         self.wire: dict[int, float] = {}          # task -> bytes this worker sends
@@ -130,9 +133,13 @@ class _Step:
         self.codec_tasks.add(t)
         return t
 
-    def comm(self, name: str, seconds: float, wire_bytes: float, deps) -> int:
+    def comm(self, name: str, seconds: float, wire_bytes: float, deps, shaped_bytes: Optional[float] = None) -> int:
+        """A collective on the link: ``seconds`` at the shaped rate, ``wire_bytes`` sent by this
+        worker; ``shaped_bytes`` (default ``wire_bytes``) is what ``seconds`` charged at the
+        link's rate, which a token bucket may let through early."""
         deps = list(deps)
         t = self.g.add(name, "net", seconds, deps)
+        self.g.tasks[t].shaped_bytes = wire_bytes if shaped_bytes is None else shaped_bytes
         self.wire[t] = wire_bytes
         if self.c.comm_cpu_s_per_byte > 0 and wire_bytes > 0:
             self.comm_cpu_tasks.add(self.g.add(name + "/cpu", "compute",
@@ -158,8 +165,9 @@ class _Step:
 
     def pushpull(self, name: str, push: float, pull: float, servers: int, deps) -> int:
         from ..collectives.wire import ps_link_bytes
-        worker, _ = ps_link_bytes(push, pull, self.N, servers)
-        return self.comm(name, self.net.ps_pushpull_s(push, pull, self.N, servers), worker, deps)
+        worker, server = ps_link_bytes(push, pull, self.N, servers)
+        return self.comm(name, self.net.ps_pushpull_s(push, pull, self.N, servers), worker, deps,
+                         shaped_bytes=max(worker, server))
 
     # -- one forward/backward ------------------------------------------------------------
     def forward_backward(self, s: int, after) -> tuple[int, dict[int, int], int]:
@@ -648,7 +656,7 @@ def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], c
             elif task.resource == "compute":
                 compute += task.duration
             elif task.resource == "net":
-                net += task.duration
+                net += task.end - task.start     # a token bucket may have shortened it
                 sent += st.wire.get(i, 0.0)
     return StepEstimate(algorithm, cluster.workers, step, compute / measured, codec / measured, net / measured,
                         sent / measured)

@@ -25,11 +25,20 @@ class Network:
         latency_s: fixed cost per message (wire latency plus software overhead per hop).
         efficiency: achieved fraction of ``bandwidth_bps`` for bulk transfers (tc tbf shaping
             here delivers 94-96%, ``MACHINE-FACTS``; 1.0 = the nominal rate).
+        burst_bytes: depth of a token bucket in front of the link (tc tbf's ``burst``): after
+            an idle period that many bytes pass at line speed, and the bucket refills at
+            ``bandwidth_bps``. 0 (default): a plain rate limit, as a NIC's line rate is. The
+            emulated links of ``lowband bench`` have one (``lowband.netem.auto_burst``: 96 KB at
+            <= 384 Mbit/s, 2 ms of the rate above), which lets a small compressed message through
+            in a fraction of its nominal time. The closed forms below ignore it; the step model
+            (:mod:`lowband.perf.model`) applies it per collective, with the bucket's state
+            carried from one collective to the next.
     """
 
     bandwidth_bps: float
     latency_s: float = 0.0
     efficiency: float = 1.0
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bps > 0:
@@ -38,6 +47,8 @@ class Network:
             raise ValueError(f"latency must be >= 0 s, got {self.latency_s}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency}")
+        if self.burst_bytes < 0:
+            raise ValueError(f"burst must be >= 0 bytes, got {self.burst_bytes}")
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` over one link."""
@@ -93,4 +104,25 @@ def parse_latency(text: str) -> float:
         raise ValueError(f"invalid latency {text!r}: expected a number with unit s, ms, us or ns (e.g. '5us')") from None
     if value < 0:
         raise ValueError(f"invalid latency {text!r}: must be >= 0")
+    return value
+
+
+_SIZES = {"b": 1, "kb": 1024, "mb": 1024 ** 2}
+
+
+def parse_bytes(text: str) -> float:
+    """``"96kb"``, ``"1mb"``, ``"98304b"`` or a plain number of bytes -> bytes (tc's units: kb = 1024)."""
+    t = text.strip().lower()
+    for unit in ("kb", "mb", "b"):
+        if t.endswith(unit):
+            number = t[: -len(unit)]
+            break
+    else:
+        unit, number = "b", t
+    try:
+        value = float(number) * _SIZES[unit]
+    except ValueError:
+        raise ValueError(f"invalid size {text!r}: expected a number of bytes with unit b, kb or mb (e.g. '96kb')") from None
+    if value < 0:
+        raise ValueError(f"invalid size {text!r}: must be >= 0")
     return value

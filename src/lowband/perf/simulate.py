@@ -6,6 +6,11 @@ with the earliest ready time first (ties: lower ``priority``, then creation orde
 whose resource is ``None`` needs no resource (a marker, or a pure delay) and runs as soon as
 it is ready. All events of one instant are processed before resources pick their next task,
 so ties are decided by priority rather than by event order.
+
+A resource may be *shaped* by a token bucket (:class:`TokenBucket`, tc tbf's model of a rate
+limit): a task on it carries ``shaped_bytes``, and the bytes the bucket holds when the task
+starts pass at line speed, so its duration shrinks by their transfer time. Durations of
+shaped tasks are therefore decided when they start.
 """
 from __future__ import annotations
 
@@ -22,14 +27,59 @@ class Task:
     duration: float
     deps: list[int]
     priority: int = 0
+    shaped_bytes: float = 0.0        # bytes a token bucket on the resource may let through early
     ready: float = math.nan
     start: float = math.nan
     end: float = math.nan
 
 
 @dataclass
+class TokenBucket:
+    """A token-bucket rate limit (tc tbf) in front of a resource.
+
+    Knobs:
+        burst_bytes: bucket depth (tbf's ``burst``): bytes that pass at line speed after an idle
+            period.
+        refill_bytes_per_s: the nominal rate, at which the bucket refills.
+        seconds_per_byte: what one byte costs in a task's duration at the shaped rate (the
+            network's achieved rate), i.e. what each byte let through early saves.
+
+    The bucket starts full. A task that starts at ``now`` finds
+    ``min(burst, left + (now - last_end) * refill)`` bytes in it, spends up to its
+    ``shaped_bytes`` of them, and leaves the rest for the next task; no refill is counted while
+    a task runs (a message longer than the bucket drains it at the shaped rate).
+    """
+
+    burst_bytes: float
+    refill_bytes_per_s: float
+    seconds_per_byte: float
+    tokens: float = field(init=False, default=0.0)
+    last_end: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.burst_bytes < 0 or not self.refill_bytes_per_s > 0 or self.seconds_per_byte < 0:
+            raise ValueError("token bucket: burst_bytes >= 0, refill_bytes_per_s > 0 and seconds_per_byte >= 0")
+        self.reset()
+
+    def reset(self) -> None:
+        """Full bucket at time 0 (the start of a simulation)."""
+        self.tokens, self.last_end = self.burst_bytes, 0.0
+
+    def admit(self, now: float, duration: float, nbytes: float) -> float:
+        """Duration of a task of ``duration`` (at the shaped rate) moving ``nbytes``, starting at ``now``."""
+        available = min(self.burst_bytes, self.tokens + max(0.0, now - self.last_end) * self.refill_bytes_per_s)
+        early = min(available, max(0.0, nbytes))
+        self.tokens = available - early
+        duration = max(0.0, duration - early * self.seconds_per_byte)
+        self.last_end = now + duration
+        return duration
+
+
+@dataclass
 class Graph:
     tasks: list[Task] = field(default_factory=list)
+    #: resource -> its token bucket (see the module docstring)
+    shapers: dict[str, TokenBucket] = field(default_factory=dict)
 
     def add(self, name: str, resource: Optional[str], duration: float, deps: Iterable[Optional[int]] = (),
             priority: int = 0) -> int:
@@ -49,6 +99,8 @@ class Graph:
     def run(self) -> float:
         """Simulate; fills each task's ready/start/end and returns the makespan."""
         n = len(self.tasks)
+        for shaper in self.shapers.values():
+            shaper.reset()
         waiting = [len(t.deps) for t in self.tasks]
         dependents: list[list[int]] = [[] for _ in range(n)]
         for i, t in enumerate(self.tasks):
@@ -78,7 +130,10 @@ class Graph:
                     _, _, i = heapq.heappop(q)
                     t = self.tasks[i]
                     t.start = now
-                    t.end = now + t.duration
+                    duration = t.duration         # nominal; a token bucket may shorten this run of it
+                    if res in self.shapers and t.shaped_bytes > 0:
+                        duration = self.shapers[res].admit(now, duration, t.shaped_bytes)
+                    t.end = now + duration
                     busy[res] = True
                     seq += 1
                     heapq.heappush(events, (t.end, seq, i))
