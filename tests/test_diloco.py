@@ -61,7 +61,7 @@ def _run(rank, world, algorithm, options, inject_error_at=None, drain_at=()):
 
 
 def _diloco_and_failure(rank, world):
-    """One spawn for two cases (each spawn costs an interpreter, torch and torchft)."""
+    """One run of ranks for two cases (each run of ranks imports torchft anew)."""
     return (_run(rank, world, "diloco", {"sync_every": H, "timeout_s": 30.0}),
             _run(rank, world, "diloco", {"sync_every": H, "timeout_s": 30.0}, inject_error_at=H))
 

@@ -1,5 +1,5 @@
-"""DDP comm hooks (gloo, 2 ranks). One spawned process group computes every scenario (a spawn
-costs seconds); the tests below assert on its results."""
+"""DDP comm hooks (gloo, 2 ranks). One process group computes every scenario (each run of ranks
+costs a process group set-up); the tests below assert on its results."""
 from __future__ import annotations
 
 import pickle
