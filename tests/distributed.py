@@ -56,7 +56,10 @@ def _context():
     """A forkserver whose server has already imported torch, torch._dynamo (what constructing
     an optimizer imports) and lowband: each rank is a fork of it, so a rank starts in
     milliseconds instead of 4-5 s of imports. The server is started on first use and
-    imports nothing but these modules, so no thread pool or process group is forked."""
+    imports nothing but these modules, so no thread pool or process group is forked.
+    Unlike spawn, a rank inherits the environment the server started with, not the test's
+    current ``os.environ``: set variables inside the rank function (as the kernel-mode tests
+    do). ``LOWBAND_TEST_START_METHOD=spawn`` restores the old start."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context(os.environ.get("LOWBAND_TEST_START_METHOD", "forkserver"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import functools
 import dataclasses
 import os
@@ -540,5 +541,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``lowband`` command: :func:`main`, then leave without the interpreter's
+    finalization (tearing down torch's modules takes about 1 s, after every result is
+    written). ``atexit`` handlers still run (the emulated links' clean-up is one), streams are
+    flushed; every file lowband writes is closed by then (``with`` blocks)."""
+    rc = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):     # a closed pipe (``lowband ... | head``) or stream
+            pass
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -86,43 +86,30 @@ class Network:
         return self.transfer_s(max(worker, server)) + 2 * self.latency_s
 
 
-_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+#: unit suffixes -> multiplier, longest suffixes first (so "ms" is not read as "s")
+_TIME_UNITS = {"ms": 1e-3, "us": 1e-6, "ns": 1e-9, "s": 1.0}
+_SIZE_UNITS = {"kb": 1024.0, "mb": 1024.0 ** 2, "b": 1.0}
+
+
+def _parse_quantity(text: str, units: dict[str, float], default_unit: str, what: str, expected: str) -> float:
+    """A non-negative number with an optional unit suffix of ``units``; ValueError naming ``what``."""
+    t = text.strip().lower()
+    unit = next((u for u in units if t.endswith(u)), None)
+    number = t[: -len(unit)] if unit else t
+    try:
+        value = float(number) * units[unit or default_unit]
+    except ValueError:
+        raise ValueError(f"invalid {what} {text!r}: expected {expected}") from None
+    if value < 0:
+        raise ValueError(f"invalid {what} {text!r}: must be >= 0")
+    return value
 
 
 def parse_latency(text: str) -> float:
     """``"2us"``, ``"0.2ms"``, ``"0"`` or a plain number of seconds -> seconds."""
-    t = text.strip().lower()
-    for unit in ("ms", "us", "ns", "s"):
-        if t.endswith(unit):
-            number = t[: -len(unit)]
-            break
-    else:
-        unit, number = "s", t
-    try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise ValueError(f"invalid latency {text!r}: expected a number with unit s, ms, us or ns (e.g. '5us')") from None
-    if value < 0:
-        raise ValueError(f"invalid latency {text!r}: must be >= 0")
-    return value
-
-
-_SIZES = {"b": 1, "kb": 1024, "mb": 1024 ** 2}
+    return _parse_quantity(text, _TIME_UNITS, "s", "latency", "a number with unit s, ms, us or ns (e.g. '5us')")
 
 
 def parse_bytes(text: str) -> float:
     """``"96kb"``, ``"1mb"``, ``"98304b"`` or a plain number of bytes -> bytes (tc's units: kb = 1024)."""
-    t = text.strip().lower()
-    for unit in ("kb", "mb", "b"):
-        if t.endswith(unit):
-            number = t[: -len(unit)]
-            break
-    else:
-        unit, number = "b", t
-    try:
-        value = float(number) * _SIZES[unit]
-    except ValueError:
-        raise ValueError(f"invalid size {text!r}: expected a number of bytes with unit b, kb or mb (e.g. '96kb')") from None
-    if value < 0:
-        raise ValueError(f"invalid size {text!r}: must be >= 0")
-    return value
+    return _parse_quantity(text, _SIZE_UNITS, "b", "size", "a number of bytes with unit b, kb or mb (e.g. '96kb')")
