@@ -240,7 +240,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             "predicted_exposed_ms": 1e3 * est.exposed_s, "predicted_mb": est.bytes_sent / 1e6,
             "measured_mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6, "scale": scale,
             "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"], "note": extra,
-            "cpu_ns_per_byte": 1e9 * pr.get("cpu_s_per_byte", 0.0),
+            "cpu_ns_per_byte": 1e9 * pr.get("cpu_s_per_byte", 0.0), "burst_bytes": burst_bytes,
             "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
             "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * raw.step_s})
 
@@ -253,6 +253,10 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
     commits = "; ".join(f"{c} ({', '.join(sorted(a, key=lambda x: ALGO_ORDER.get(x.replace(':', '-'), 99)))})"
                         for c, a in sorted(by_commit.items()))
     example = f", e.g. `{rows[0]['command']}`" if rows else ""
+    bursts = sorted({r.get("burst_bytes", 0.0) for r in rows})
+    bucket = ("each link's tc tbf bucket (`netem.auto_burst` of its rate: "
+              + ", ".join(f"{b / 1024:.0f} KB" for b in bursts) + ")") if any(bursts) else \
+        "a plain rate limit (no tbf bucket: `--no-burst`)"
     lines = [
         f"Profile: `{profile_name}` ({profile.source}; {profile.machine}; {profile.date}).",
         f"Runs, by the commit each algorithm's pairs ran on: {commits}; "
@@ -264,7 +268,7 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd, the "
         "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
         "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency "
-        "and gloo CPU cost per byte and the compute scale from the noop run just before; error = predicted / "
+        f"and gloo CPU cost per byte, {bucket}, and the compute scale from the noop run just before; error = predicted / "
         "measured - 1; load = load averages before / after the pair (the machine was shared).",
         "",
         "| link | workers | algorithm | measured ms | mean ms | predicted ms | error | predicted exposed ms | "
