@@ -135,6 +135,16 @@ def test_shaped_gloo_allreduce() -> None:
 
 
 @needs_netns
+def test_worker_namespaces_use_the_linux_default_congestion_control() -> None:
+    """Not the host's (BBR here, which stalls small transfers behind tbf's burst)."""
+    with EmulatedCluster(2, 10_000_000) as c:
+        for ns in c.worker_ns:
+            got = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            assert got == netem.CONGESTION_CONTROL == "cubic"
+
+
+@needs_netns
 def test_close_is_idempotent_and_tolerates_partial_state() -> None:
     c = EmulatedCluster(2, None)
     with c:

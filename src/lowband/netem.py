@@ -80,6 +80,12 @@ AUTO_BURST_S = 0.002
 #: 96 KB holds one GSO packet with room for headers: 57 ms, the same link rate
 #: (docs/netem.md). At >= 400mbit the 2 ms rule already gives more.
 MIN_BURST_BYTES = 96 * 1024
+#: TCP congestion control of the workers' namespaces: Linux's default, whatever the host uses.
+#: Why not inherit: a new namespace takes the host's setting, and this machine's is BBR, which
+#: reads tbf's burst (96 KB at line speed) as a multi-Gbit/s bottleneck and, probing, stalls a
+#: connection for 100-180 ms every second or two (measured: cpsgd on cnn over 50mbit had 6-12
+#: such steps per 150; with cubic none, docs/netem.md).
+CONGESTION_CONTROL = "cubic"
 #: Grace period between SIGTERM and SIGKILL for processes left in a worker namespace.
 STRAGGLER_GRACE_S = 2.0
 
@@ -451,6 +457,8 @@ class EmulatedCluster:
             # lo must be up: gloo/TCPStore connect to their own address too, and some
             # code paths use 127.0.0.1; a fresh namespace has lo DOWN.
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                  f"net.ipv4.tcp_congestion_control={CONGESTION_CONTROL}"])
             # Create the pair directly in its two namespaces: names never appear in
             # the host namespace, so concurrent runs cannot collide there.
             _run(["ip", "link", "add", wif, "netns", ns, "type", "veth", "peer", "name", hif, "netns", hub])
