@@ -5,7 +5,6 @@ import os
 import pickle
 import queue as queue_module
 import time
-import socket
 import sys
 import traceback
 from datetime import timedelta
@@ -13,13 +12,9 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from lowband.launcher import free_port
+
 POLL_S = 0.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float,
@@ -75,7 +70,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     Raises with the failing rank's traceback; never waits longer than ``timeout_s``."""
     ctx = _context()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s, backend)) for r in range(world_size)]
     for p in procs:
         p.start()

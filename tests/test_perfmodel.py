@@ -381,7 +381,7 @@ def test_token_bucket_lets_a_burst_through_at_line_speed_then_the_rate():
     net = Network(rate, lat, burst_bytes=burst)
     per_byte = 8 / rate
 
-    def step(n: int, nbytes: float, gap: float = 0.0) -> tuple[list[float], float]:
+    def step(n: int, nbytes: float, gap: float = 0.0) -> list[float]:
         g = Graph()
         g.shapers["net"] = TokenBucket(burst, rate / 8, per_byte)
         prev = None
@@ -390,16 +390,15 @@ def test_token_bucket_lets_a_burst_through_at_line_speed_then_the_rate():
             prev = g.add(f"m{i}", "net", net.allgather_s(nbytes, 2), [delay])
             g.tasks[prev].shaped_bytes = wire.allgather_bytes(nbytes, 2)
         g.run()
-        ms = [t for t in g.tasks if t.name.startswith("m")]
-        return [t.end - t.start for t in ms], g.run()
+        return [t.end - t.start for t in g.tasks if t.name.startswith("m")]
 
-    small, _ = step(1, 40e3)                 # fits: only the message's latency remains
+    small = step(1, 40e3)                    # fits: only the message's latency remains
     assert small == [pytest.approx(lat)]
-    big, _ = step(1, 150e3)                  # 96 KB early, the rest at the rate
+    big = step(1, 150e3)                     # 96 KB early, the rest at the rate
     assert big == [pytest.approx(lat + (150e3 - burst) * per_byte)]
-    two, _ = step(2, 60e3)                   # back to back: the second finds 36 KB left
+    two = step(2, 60e3)                      # back to back: the second finds 36 KB left
     assert two == [pytest.approx(lat), pytest.approx(lat + (60e3 - (burst - 60e3)) * per_byte)]
-    refilled, _ = step(2, 60e3, gap=0.1)     # 100 ms at 6.25 MB/s refills the whole bucket
+    refilled = step(2, 60e3, gap=0.1)        # 100 ms at 6.25 MB/s refills the whole bucket
     assert refilled == [pytest.approx(lat), pytest.approx(lat)]
     # the simulation is repeatable: the bucket starts full on every run
     g = Graph()

@@ -81,10 +81,10 @@ AUTO_BURST_S = 0.002
 #: (docs/netem.md). At >= 400mbit the 2 ms rule already gives more.
 MIN_BURST_BYTES = 96 * 1024
 #: TCP congestion control of the workers' namespaces: Linux's default, whatever the host uses.
-#: Why not inherit: a new namespace takes the host's setting, and this machine's is BBR, which
-#: reads tbf's burst (96 KB at line speed) as a multi-Gbit/s bottleneck and, probing, stalls a
-#: connection for 100-180 ms every second or two (measured: cpsgd on cnn over 50mbit had 6-12
-#: such steps per 150; with cubic none, docs/netem.md).
+#: Why not inherit: a new namespace takes the host's setting, and this machine's is BBR. Behind
+#: tbf, BBR estimated a 5-16 Gbit/s bottleneck (the burst passes at line speed), and cpsgd on
+#: cnn over 50mbit had 6-12 steps per 150 with 100-180 ms of exposed wait; with cubic none
+#: (docs/netem.md; the exact BBR mechanism was not pinned down).
 CONGESTION_CONTROL = "cubic"
 #: Grace period between SIGTERM and SIGKILL for processes left in a worker namespace.
 STRAGGLER_GRACE_S = 2.0
