@@ -62,3 +62,18 @@ def test_small_run_writes_metrics_and_summary(tmp_path):
     config = json.load(open(run / "config.json"))
     assert config["algorithm"] == "ssgd" and config["workers"] == 2
     assert (run / "epochs.jsonl").exists()
+
+
+def test_a_failed_link_emulation_command_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """An ip/tc command that fails mid-run (after the availability probe passed) ends the
+    command with one precise line and exit 1."""
+    from lowband import cli, netem
+
+    def bench(_args):
+        raise netem.NetemError(["ip", "-n", "lb-w0", "route", "replace"], 2, "Error: invalid argument\n")
+
+    monkeypatch.setitem(cli.COMMANDS, "bench", bench)
+    assert cli.main(["bench", "--algorithms", "noop"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("lowband: error: network emulation: command failed (exit 2): ip -n lb-w0 route replace: "
+                   "Error: invalid argument\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -135,13 +136,39 @@ def test_shaped_gloo_allreduce() -> None:
 
 
 @needs_netns
-def test_worker_namespaces_use_the_linux_default_congestion_control() -> None:
-    """Not the host's (BBR here, which stalls small transfers behind tbf's burst)."""
+def test_connections_over_the_emulated_link_use_the_linux_default_congestion_control() -> None:
+    """Not the host's (BBR on this machine, which stalls small transfers behind tbf's burst),
+    at both ends of a live connection, whatever the host's allowed list holds."""
+    server = ("import socket, sys\n"
+              "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind((sys.argv[1], 29411)); s.listen(); print('ready', flush=True)\n"
+              "c, _ = s.accept(); c.recv(1); sys.stdin.read()\n")
     with EmulatedCluster(2, 10_000_000) as c:
-        for ns in c.worker_ns:
-            got = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-            assert got == netem.CONGESTION_CONTROL == "cubic"
+        srv = subprocess.Popen([*c.worker_prefix(1), sys.executable, "-c", server, c.addresses[1]],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "ready"
+            client = subprocess.Popen([*c.worker_prefix(0), sys.executable, "-c",
+                                       "import socket, sys; s = socket.create_connection((sys.argv[1], 29411)); "
+                                       "s.sendall(b'x' * 20000); sys.stdin.read()", c.addresses[1]],
+                                      stdin=subprocess.PIPE, text=True)
+            try:
+                seen = {}
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and len(seen) < 2:
+                    for r in (0, 1):
+                        out = subprocess.run([*c.worker_prefix(r), "ss", "-tin", "state", "established"],
+                                             capture_output=True, text=True, check=True).stdout
+                        algos = set(re.findall(r"\b(cubic|bbr|reno|htcp|vegas|dctcp)\b", out))
+                        if algos:
+                            seen[r] = algos
+                    time.sleep(0.1)
+                assert seen == {0: {netem.CONGESTION_CONTROL}, 1: {netem.CONGESTION_CONTROL}}
+                assert netem.CONGESTION_CONTROL == "cubic"
+            finally:
+                client.communicate("", timeout=10)
+        finally:
+            srv.communicate("", timeout=10)
 
 
 @needs_netns

@@ -23,6 +23,7 @@ from .data import DATASETS, DatasetError, load_dataset
 from .device import DEVICES, resolve as resolve_device
 from .guard import NONFINITE_POLICIES
 from .models import MODELS
+from .netem import NetemError
 from .tasks import LANGUAGE_MODELS, TASK_DEFAULTS, defaults_for
 
 EXIT_USAGE = 2
@@ -536,6 +537,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"lowband: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except NetemError as e:           # building or querying an emulated link failed mid-run
+        print(f"lowband: error: network emulation: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("lowband: interrupted", file=sys.stderr)
         return 130

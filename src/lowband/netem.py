@@ -80,7 +80,8 @@ AUTO_BURST_S = 0.002
 #: 96 KB holds one GSO packet with room for headers: 57 ms, the same link rate
 #: (docs/netem.md). At >= 400mbit the 2 ms rule already gives more.
 MIN_BURST_BYTES = 96 * 1024
-#: TCP congestion control of the workers' namespaces: Linux's default, whatever the host uses.
+#: TCP congestion control on the workers' data link (the subnet's route in each worker
+#: namespace): Linux's default, whatever the host uses.
 #: Why not inherit: a new namespace takes the host's setting, and this machine's is BBR. Behind
 #: tbf, BBR estimated a 5-16 Gbit/s bottleneck (the burst passes at line speed), and cpsgd on
 #: cnn over 50mbit had 6-12 steps per 150 with 100-180 ms of exposed wait; with cubic none
@@ -217,6 +218,18 @@ def auto_burst(rate_bits: int | None) -> str:
     return f"{max(MIN_BURST_BYTES, int(rate_bits * AUTO_BURST_S / 8))}b"
 
 
+def _data_route(ns: str, dev: str, address: str) -> list[str]:
+    """argv that puts the subnet's route in ``ns`` on ``dev`` with :data:`CONGESTION_CONTROL`.
+
+    The congestion control rides on the route, not on the namespace's default: a non-init
+    namespace may only choose a default from the host's
+    ``net.ipv4.tcp_allowed_congestion_control`` (often just "reno bbr"), while a route's
+    ``congctl`` applies to every connection over it, at both ends, whatever that list holds.
+    Run it once the link is up (bringing a link up re-adds the kernel's own connected route)."""
+    return ["ip", "-n", ns, "route", "replace", f"{SUBNET_PREFIX}.0/{SUBNET_BITS}", "dev", dev,
+            "proto", "kernel", "scope", "link", "src", address, "congctl", CONGESTION_CONTROL]
+
+
 def check_available() -> str | None:
     """Return None if an emulated cluster can be built here, else one line saying why.
 
@@ -235,6 +248,10 @@ def check_available() -> str | None:
         _run(["ip", "-n", ns, "link", "add", "lbprobe0", "type", "veth", "peer", "name", "lbprobe1"])
         _run(["tc", "-n", ns, "qdisc", "add", "dev", "lbprobe0", "root", "tbf",
               "rate", "1mbit", "burst", auto_burst(None), "latency", "50ms"])
+        for dev in ("lbprobe1", "lbprobe0"):
+            _run(["ip", "-n", ns, "link", "set", "dev", dev, "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{SUBNET_PREFIX}.1/{SUBNET_BITS}", "dev", "lbprobe0"])
+        _run(_data_route(ns, "lbprobe0", f"{SUBNET_PREFIX}.1"))
         _run(["ip", "netns", "exec", ns, "true"])
     except NetemError as e:
         return f"network emulation unavailable: {e}{hint}"
@@ -457,8 +474,6 @@ class EmulatedCluster:
             # lo must be up: gloo/TCPStore connect to their own address too, and some
             # code paths use 127.0.0.1; a fresh namespace has lo DOWN.
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                  f"net.ipv4.tcp_congestion_control={CONGESTION_CONTROL}"])
             # Create the pair directly in its two namespaces: names never appear in
             # the host namespace, so concurrent runs cannot collide there.
             _run(["ip", "link", "add", wif, "netns", ns, "type", "veth", "peer", "name", hif, "netns", hub])
@@ -474,6 +489,8 @@ class EmulatedCluster:
                           "rate", f"{self.rate_bits}bit", "burst", self.burst, "latency", self.latency])
             _run(["ip", "-n", hub, "link", "set", "dev", hif, "up"])
             _run(["ip", "-n", ns, "link", "set", "dev", wif, "up"])
+            # cubic on the data link (see _data_route for why not the namespace's sysctl)
+            _run(_data_route(ns, wif, self.addresses[r]))
 
     def _add_ns(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])
