@@ -12,7 +12,12 @@ Two phases, so each timing run stays short (run one `run` per link and worker co
 
 What is predicted and what is taken from the run under test:
 * measured on the link (probe, before the bench): per-message latency (median all_reduce time
-  of 64 bytes / 2(N-1)) and bulk efficiency (4 MiB all_reduce rate / nominal rate);
+  of 64 bytes / 2(N-1)) and bulk efficiency (4 MiB all_reduce rate / nominal rate); and, beside
+  a compute loop on every rank (the contention probe, ``contention_worker``), the compute time
+  the link's traffic takes per byte sent (``comm_cpu_s_per_byte``) and the wall time one
+  synchronization costs beyond a 4-byte all-reduce's latency (``sync_s``, charged once per
+  collective); ``report --idle-cpu-probe`` uses instead the per-byte CPU time of an all-reduce
+  on an idle machine and no synchronization cost (the model before 2026-12-02);
 * known from the link's set-up: tc tbf's bucket depth (``lowband.netem.auto_burst`` of the
   rate, the default every bench run uses; ``--no-burst`` predicts with a plain rate limit);
 * measured in the same bench run: the compute-only (`noop`) step time, which gives the
@@ -110,16 +115,106 @@ def probe_worker(size: int, iters: int) -> None:
     dist.destroy_process_group()
 
 
-def probe_allreduce(link: str, world: int, size: int, iters: int) -> dict:
+def contention_worker(rate_bits: int, rounds: int) -> None:
+    """One rank of the contention probe, on the emulated link, beside compute.
+
+    * **communication beside compute**: a single-threaded matmul loop on the main thread (a
+      fixed count of blocks, ~0.6 s, the same on every rank) alone, and again while a
+      background thread runs all-reduces of 1 MiB worth ~40% of the loop's time at the
+      link's rate; the loop's extra wall time per byte this rank sent is what the link's
+      traffic (gloo's copies and reductions, the kernel's TCP and veth work) takes from
+      compute on this machine: the model's ``comm_cpu_s_per_byte``;
+    * **one synchronization beside compute**: the same loop cut into ~15 ms blocks with a
+      4-byte all-reduce after each, against the blocks alone: the wall time of one
+      synchronization point (latency, waking the waiting thread, the ranks' skew).
+    Rounds alternate alone / with, so drift of the machine's speed cancels."""
+    import threading
+    import torch
+    import torch.distributed as dist
+    from lowband.collectives.wire import allreduce_bytes
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    a = torch.randn(160, 160)
+
+    def blocks(n: int) -> None:
+        for _ in range(n):
+            for _ in range(8):
+                torch.mm(a, a)
+
+    # calibrate the block count (slowest rank's) so the loop takes ~0.6 s, the same on every rank
+    blocks(50)
+    t0 = time.perf_counter(); blocks(200)
+    slowest = torch.tensor([(time.perf_counter() - t0) / 200], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)      # every count below is derived from it alike
+    per_block = float(slowest)
+    n = max(20, int(0.6 / per_block))
+    size = 1 << 20
+    wire = allreduce_bytes(size, world)
+    loop_s = n * per_block
+    k = max(1, int(round(0.4 * loop_s * rate_bits / 8 / wire)))
+    payload, flag = torch.ones(size // 4), torch.zeros(1)
+    per_sync = max(1, int(round(0.015 / per_block)))     # ~15 ms of compute between syncs
+    out = {"blocks": n, "allreduces": k, "bytes_sent": k * wire, "alone": [], "beside": [], "comm_s": [],
+           "sync_blocks": per_sync, "syncs": n // per_sync, "unsynced": [], "synced": []}
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter(); blocks(n); out["alone"].append(time.perf_counter() - t0)
+        dist.barrier()
+        done = []
+
+        def comm() -> None:
+            c0 = time.perf_counter()
+            for _ in range(k):
+                dist.all_reduce(payload)
+            done.append(time.perf_counter() - c0)
+
+        th = threading.Thread(target=comm)
+        t0 = time.perf_counter(); th.start(); blocks(n); out["beside"].append(time.perf_counter() - t0)
+        th.join()
+        out["comm_s"].append(done[0])
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n // per_sync):
+            blocks(per_sync)
+        out["unsynced"].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n // per_sync):
+            blocks(per_sync)
+            dist.all_reduce(flag)
+        out["synced"].append(time.perf_counter() - t0)
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def probe_contention(link: str, world: int, rounds: int = 5) -> dict:
+    """``comm_cpu_s_per_byte`` and ``sync_s`` measured beside compute (:func:`contention_worker`):
+    medians over ranks and rounds of each round's difference."""
+    from lowband.netem import parse_rate
+    outs = _probe_ranks(link, world, ["probe-contention-worker", str(parse_rate(link)), str(rounds)])
+    lost = [(o["beside"][i] - o["alone"][i]) / o["bytes_sent"] for o in outs for i in range(rounds)]
+    sync = [(o["synced"][i] - o["unsynced"][i]) / o["syncs"] for o in outs for i in range(rounds)]
+    return {"cpu_s_per_byte": max(0.0, statistics.median(lost)), "sync_s": max(0.0, statistics.median(sync)),
+            "comm_within_loop": all(c <= b for o in outs for c, b in zip(o["comm_s"], o["beside"])),
+            "ranks": outs}
+
+
+def _probe_ranks(link: str, world: int, argv: list[str]) -> list[dict]:
+    """Run this file's ``argv`` probe worker on every rank of an emulated cluster; their JSON lines."""
     from lowband.netem import EmulatedCluster, parse_rate
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
     with EmulatedCluster(world, parse_rate(link)) as c:
-        procs = [subprocess.Popen(c.worker_prefix(r) + [sys.executable, __file__, "probe-worker", str(size), str(iters)],
+        procs = [subprocess.Popen(c.worker_prefix(r) + [sys.executable, __file__, *argv],
                                   env={**env, **c.worker_env(r), "RANK": str(r), "WORLD_SIZE": str(world),
                                        "MASTER_PORT": PROBE_PORT, "TORCH_CPP_LOG_LEVEL": "ERROR"},
                                   stdout=subprocess.PIPE, text=True)
                  for r in range(world)]
-        outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+        return [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+
+
+def probe_allreduce(link: str, world: int, size: int, iters: int) -> dict:
+    outs = _probe_ranks(link, world, ["probe-worker", str(size), str(iters)])
     wall = statistics.median(max(o["walls"][i] for o in outs) for i in range(iters))
     cpu = statistics.median(statistics.mean(o["cpus"][i] for o in outs) for i in range(iters))
     return {"wall_s": wall, "cpu_s": cpu}
@@ -135,7 +230,8 @@ def probe(link: str, world: int) -> dict:
     wire = allreduce_bytes(big_size, world)
     return {"latency_s": small["wall_s"] / (2 * (world - 1)),
             "efficiency": min(1.0, wire * 8 / big["wall_s"] / parse_rate(link)),
-            "cpu_s_per_byte": big["cpu_s"] / wire, "small": small, "big": big}
+            "cpu_s_per_byte": big["cpu_s"] / wire, "small": small, "big": big,
+            "contention": probe_contention(link, world)}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -192,7 +288,11 @@ def measured_tau(steps: list[dict]) -> tuple[float, int]:
     return (len(steps) / syncs if syncs else float(len(steps))), syncs
 
 
-def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, burst: bool = True) -> None:
+def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, burst: bool = True,
+                 contention: bool = True) -> None:
+    """Predict one ``noop,ALG`` pair. ``contention``: take gloo's CPU cost per byte and the
+    per-collective synchronization cost from the probe beside compute (when the run has it),
+    not the per-byte CPU time of an all-reduce with nothing else running."""
     from lowband.perf.model import MODELS, Cluster, estimate
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
@@ -209,6 +309,11 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
     # the runs shaped with netem's default bucket (bench has no burst flag): tc syntax "98304b"
     burst_bytes = float(auto_burst(rate).rstrip("b")) if burst else 0.0
     network = Network(rate, pr["latency_s"], pr["efficiency"], burst_bytes=burst_bytes)
+    cpu_s_per_byte, sync_s = pr.get("cpu_s_per_byte", 0.0), 0.0
+    if contention and "contention" in pr:
+        cpu_s_per_byte = pr["contention"]["cpu_s_per_byte"]
+        # what one synchronization costs beyond the 4-byte all-reduce the model already charges
+        sync_s = max(0.0, pr["contention"]["sync_s"] - network.allreduce_s(4.0, world))
     runs = {row["algorithm"]: os.path.join(group_dir, "runs", f"{meta['link']}-{world}w-{row['algorithm'].replace(':', '-')}")
             for row in results["rows"]}
     noop_steps = steady_steps(runs["noop"], "noop", 1)
@@ -231,7 +336,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
         robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
         mean = statistics.mean(s["step_s"] for s in steps)
         est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
-                                                    comm_cpu_s_per_byte=pr.get("cpu_s_per_byte", 0.0)))
+                                                    comm_cpu_s_per_byte=cpu_s_per_byte, sync_s=sync_s))
         # without the noop calibration: contention assumed = workers per core (at least 1)
         raw = estimate(profile, name, opts, Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
         rows_out.append({
@@ -240,7 +345,8 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             "predicted_exposed_ms": 1e3 * est.exposed_s, "predicted_mb": est.bytes_sent / 1e6,
             "measured_mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6, "scale": scale,
             "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"], "note": extra,
-            "cpu_ns_per_byte": 1e9 * pr.get("cpu_s_per_byte", 0.0), "burst_bytes": burst_bytes,
+            "cpu_ns_per_byte": 1e9 * cpu_s_per_byte, "sync_ms": 1e3 * sync_s,
+            "contention": bool(contention and "contention" in pr), "burst_bytes": burst_bytes,
             "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
             "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * raw.step_s})
 
@@ -257,6 +363,8 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
     bucket = ("each link's tc tbf bucket (`netem.auto_burst` of its rate: "
               + ", ".join(f"{b / 1024:.0f} KB" for b in bursts) + ")") if any(bursts) else \
         "a plain rate limit (no tbf bucket: `--no-burst`)"
+    cost = ("measured beside compute: the contention probe" if any(r.get("contention") for r in rows)
+            else "per-byte CPU of an all-reduce on an idle machine; no synchronization cost")
     lines = [
         f"Profile: `{profile_name}` ({profile.source}; {profile.machine}; {profile.date}).",
         f"Runs, by the commit each algorithm's pairs ran on: {commits}; "
@@ -267,13 +375,14 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = the run's steady steps "
         "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd, the "
         "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
-        "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency "
-        f"and gloo CPU cost per byte, {bucket}, and the compute scale from the noop run just before; error = predicted / "
+        "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency, "
+        f"gloo CPU cost per byte and synchronization cost per collective ({cost}), {bucket}, and the compute scale "
+        "from the noop run just before; error = predicted / "
         "measured - 1; load = load averages before / after the pair (the machine was shared).",
         "",
         "| link | workers | algorithm | measured ms | mean ms | predicted ms | error | predicted exposed ms | "
-        "MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | load | note |",
-        "|" + "---|" * 16,
+        "MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | sync ms | load | note |",
+        "|" + "---|" * 17,
     ]
     for r in rows:
         flag = "" if abs(r["error"]) <= TARGET else " **miss**"
@@ -281,7 +390,7 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
             f"| {r['link']} | {r['workers']} | {r['algorithm']} | {r['measured_ms']:.1f} | {r['mean_ms']:.1f} | "
             f"{r['predicted_ms']:.1f} | {r['error']:+.1%}{flag} | {r['predicted_exposed_ms']:.1f} | "
             f"{r['measured_mb']:.3f} | {r['predicted_mb']:.3f} | {r['scale']:.2f} | {r['latency_us']:.0f} | "
-            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r['load'].split(' / ')[0].split()[0]} / "
+            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r.get('sync_ms', 0.0):.2f} | {r['load'].split(' / ')[0].split()[0]} / "
             f"{r['load'].split(' / ')[1].split()[0]} | {r['note']} |")
     return "\n".join(lines)
 
@@ -304,7 +413,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                         print(f"{pair}: src/ changed during its run; skipped", file=sys.stderr)
                         continue
                 predict_pair(pair, profile, rows, None if args.latency is None else parse_latency(args.latency),
-                             burst=not args.no_burst)
+                             burst=not args.no_burst, contention=not args.idle_cpu_probe)
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
         return 2
@@ -333,10 +442,16 @@ def main(argv=None) -> int:
     p.add_argument("--doc", default=None)
     p.add_argument("--section", default="perfmodel-validation")
     p.add_argument("--latency", default=None, help="use this per-message latency (e.g. 100us) instead of the probe's")
+    p.add_argument("--idle-cpu-probe", action="store_true",
+                   help="charge gloo's CPU per byte as an all-reduce on an idle machine costs, and no synchronization "
+                        "cost (the model before 2026-12-02's contention probe)")
     p.add_argument("--no-burst", action="store_true",
                    help="predict with a plain rate limit, without the links' tbf bucket (the model before 2026-12-02)")
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-worker":
         probe_worker(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-contention-worker":
+        contention_worker(int(sys.argv[2]), int(sys.argv[3]))
         return 0
     args = ap.parse_args(argv)
     return cmd_run(args) if args.cmd == "run" else cmd_report(args)

@@ -362,6 +362,35 @@ def test_communication_cpu_cost_competes_with_compute_only_when_given():
     assert busy.bytes_sent == pytest.approx(free.bytes_sent)
 
 
+def test_synchronization_cost_is_paid_once_per_collective_and_only_where_exposed():
+    net = Network(10 * GBIT, 5e-6)
+    sync = 3e-3
+    # one bucket after backward: step = allreduce + one synchronization
+    prof = make_profile([2_000_000], [0.0], forward=0.0, optimizer=0.0)
+    plain = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(4, net))
+    synced = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(4, net, sync_s=sync))
+    assert synced.step_s == pytest.approx(plain.step_s + sync)
+    assert synced.bytes_sent == pytest.approx(plain.bytes_sent)
+    # ddp-powersgd: three collectives after backward, P's and Q's one after another
+    # (the uncompressed tensors' all-reduce runs first, beside the P = MQ phase)
+    import dataclasses
+    hook = make_profile([2048], [0.0], forward=0.0, optimizer=0.0)
+    hook.params[0] = dataclasses.replace(hook.params[0], shape=[64, 32])
+    hook = dataclasses.replace(hook, powersgd_hook_s={"2": [0.0, 0.0, 0.0]})
+    ps = estimate(hook, "ddp-powersgd", {}, Cluster(4, net))
+    assert estimate(hook, "ddp-powersgd", {}, Cluster(4, net, sync_s=sync)).step_s == \
+        pytest.approx(ps.step_s + 3 * sync)
+    # an early bucket's collective hides behind the rest of backward, its synchronization too
+    prof2 = make_profile([1000, 2_000_000], [0.0, 0.05], forward=0.0, optimizer=0.0)  # big one ready first
+    hidden = estimate(prof2, "ssgd", {"bucket_mb": 1}, Cluster(2, net))
+    with_sync = estimate(prof2, "ssgd", {"bucket_mb": 1}, Cluster(2, net, sync_s=sync))
+    assert with_sync.step_s == pytest.approx(hidden.step_s + sync)   # only the last bucket's is exposed
+    # one worker: nobody to meet
+    assert estimate(prof, "ssgd", {}, Cluster(1, net, sync_s=sync)).step_s == pytest.approx(prof.compute_s)
+    with pytest.raises(ValueError, match="sync_s"):
+        Cluster(2, net, sync_s=-1.0)
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--model", "vgg99", "--out", "x.json"], "unknown model 'vgg99'"),
     (["--model", "cnn", "--out", "x.json", "--codecs", "3bit"], "unknown compressor(s) ['3bit']"),

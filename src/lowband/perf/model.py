@@ -69,6 +69,10 @@ class Cluster:
             work (times ``compute_scale``) on the ``compute`` resource while it runs: on a
             machine with no spare core it competes with forward and backward. 0 (default):
             communication costs no compute (a NIC/GPU with its own engine).
+        sync_s: seconds every collective adds beyond its bytes and per-message latency because
+            the ranks must meet: the slower rank's lag, waking a waiting thread on a busy
+            processor. It lengthens each collective on the link (so it is exposed only where
+            the collective is). 0 (default): ranks meet instantly.
     """
 
     workers: int
@@ -76,6 +80,7 @@ class Cluster:
     compute_scale: float = 1.0
     codec_shares_compute: Optional[bool] = None
     comm_cpu_s_per_byte: float = 0.0
+    sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -84,6 +89,8 @@ class Cluster:
             raise ValueError(f"compute_scale must be > 0, got {self.compute_scale}")
         if self.comm_cpu_s_per_byte < 0:
             raise ValueError(f"comm_cpu_s_per_byte must be >= 0, got {self.comm_cpu_s_per_byte}")
+        if self.sync_s < 0:
+            raise ValueError(f"sync_s must be >= 0, got {self.sync_s}")
 
 
 @dataclass
@@ -138,7 +145,7 @@ class _Step:
         worker; ``shaped_bytes`` (default ``wire_bytes``) is what ``seconds`` charged at the
         link's rate, which a token bucket may let through early."""
         deps = list(deps)
-        t = self.g.add(name, "net", seconds, deps)
+        t = self.g.add(name, "net", seconds + (self.c.sync_s if self.N > 1 else 0.0), deps)
         self.g.tasks[t].shaped_bytes = wire_bytes if shaped_bytes is None else shaped_bytes
         self.wire[t] = wire_bytes
         if self.c.comm_cpu_s_per_byte > 0 and wire_bytes > 0:
