@@ -186,6 +186,31 @@ def test_ddp_powersgd_charges_the_hook_phases_the_profile_measured():
         dataclasses.replace(prof, powersgd_hook_s={"2": [0.1, -1.0, 0.0]}).check()
 
 
+def test_ddp_peers_pay_the_engine_overhead_the_profile_measured_beyond_what_is_modelled():
+    """``engine_overhead_s`` (measured in one process against noop) is charged once per step,
+    minus the parts the model already charges (the fp16 casts, PowerSGD's three phases)."""
+    import dataclasses
+    free = Cluster(2, Network(1e15, 0.0))
+    prof = make_profile([2048, 1], [0.01, 0.0], forward=0.005, optimizer=0.001, codec=_codec())
+    prof.params[0] = dataclasses.replace(prof.params[0], shape=[64, 32])
+    prof = dataclasses.replace(prof, codecs={**prof.codecs, "fp16": _codec()}, powersgd_hook_s={"2": [0.003, 0.002, 0.001]})
+    base = {k: estimate(prof, k, {}, free).step_s for k in ("ddp", "ddp-fp16", "ddp-powersgd")}
+    assert base["ddp"] == pytest.approx(prof.compute_s)
+    over = dataclasses.replace(prof, engine_overhead_s={"ddp": 0.004, "ddp-fp16": 1e-9, "ddp-powersgd": 0.010})
+    assert estimate(over, "ddp", {}, free).step_s == pytest.approx(base["ddp"] + 0.004)
+    assert estimate(over, "ddp-fp16", {}, free).step_s == pytest.approx(base["ddp-fp16"])   # less than its casts
+    assert estimate(over, "ddp-powersgd", {}, free).step_s == pytest.approx(base["ddp-powersgd"] + 0.010 - 0.006)
+    assert estimate(over, "ssgd", {}, free).step_s == pytest.approx(estimate(prof, "ssgd", {}, free).step_s)
+    with pytest.raises(Exception, match="engine_overhead_s"):
+        dataclasses.replace(prof, engine_overhead_s={"ddp": -1.0}).check()
+
+
+def test_engine_overhead_is_measured_against_noop_in_one_process():
+    from lowband.perf.profile import measure_engine_overhead
+    got = measure_engine_overhead("cnn", 8, algorithms=("ddp", "ddp-powersgd"), steps=3, rounds=1, warmup=12)
+    assert set(got) == {"ddp", "ddp-powersgd"} and all(x >= 0 for x in got.values())
+
+
 def test_codec_sharing_the_processor_is_never_faster():
     prof = make_profile([300_000, 300_000], [0.01, 0.01], codec=_codec(), shares=True)
     net = Network(1 * GBIT, 1e-5)

@@ -190,13 +190,22 @@ class _Step:
     def buckets(self, indices, bucket_mb: float) -> list[list[int]]:
         return plan_buckets(self.sized, list(indices), int(bucket_mb * MIB))
 
-    def launches(self, s: int, groups: list[list[int]], ready: dict[int, int], extra=()) -> list[int]:
-        """Launch markers: bucket j launches once its gradients are ready and bucket j-1 launched."""
+    def launches(self, s: int, groups: list[list[int]], ready: dict[int, int], extra=(), last_extra=()) -> list[int]:
+        """Launch markers: bucket j launches once its gradients are ready and bucket j-1 launched
+        (and ``extra``; the last bucket also after ``last_extra``)."""
         out, prev = [], None
         for j, group in enumerate(groups):
-            prev = self.g.marker(f"s{s}/launch{j}", [ready[i] for i in group] + [prev, *extra])
+            more = list(last_extra) if j == len(groups) - 1 else []
+            prev = self.g.marker(f"s{s}/launch{j}", [ready[i] for i in group] + [prev, *extra, *more])
             out.append(prev)
         return out
+
+    def engine_overhead(self, s: int, kind: str, modelled_s: float, after: int) -> Optional[int]:
+        """The per-step CPU the profile measured for ``kind``'s engine in one process
+        (``engine_overhead_s``) beyond the ``modelled_s`` of it the model charges as tasks of
+        their own, as one compute task after ``after`` (the end of backward); None if none."""
+        extra = self.p.engine_overhead_s.get(kind, 0.0) - modelled_s
+        return self.compute(f"s{s}/{kind} engine overhead", extra, [after]) if extra > 0 else None
 
     def nbytes(self, group) -> float:
         return float(sum(self.p.params[i].nbytes for i in group))
@@ -303,7 +312,13 @@ def _ddp(st: _Step, o: dict, steps: int, kind: str = "ddp") -> list[int]:
         if o.get("broadcast_buffers", True) and st.p.buffer_bytes:
             pre = st.broadcast(f"s{s}/buffers", st.p.buffer_bytes, [prev])
         _, ready, b = st.forward_backward(s, [pre])
-        launches = st.launches(s, groups, ready)
+        casts = 0.0
+        if kind == "ddp-fp16":        # what the model charges of the hook's work as the casts below
+            fp = st.p.codec("fp16")
+            casts = sum(fp.encode_s(st.nbytes(gr)) / 2 + fp.decode_s(st.nbytes(gr) / 2) for gr in groups)
+        # DDP's own work in the step (bucket copies, hooks, futures) delays the last bucket's launch
+        overhead = st.engine_overhead(s, kind, casts, b)
+        launches = st.launches(s, groups, ready, last_extra=[overhead])
         done = []
         for j, gr in enumerate(groups):
             nb = st.nbytes(gr)
@@ -314,7 +329,7 @@ def _ddp(st: _Step, o: dict, steps: int, kind: str = "ddp") -> list[int]:
                 done.append(st.compute(f"s{s}/bucket{j}/to fp32", fp.decode_s(nb / 2), [red], priority=0))
             else:
                 done.append(st.allreduce(f"s{s}/bucket{j}", nb, [launches[j]]))
-        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, overhead, *done])
         ends.append(prev)
     return ends
 
@@ -359,6 +374,8 @@ def _ddp_powersgd(st: _Step, o: dict, steps: int) -> list[int]:
     ends, prev = [], None
     for s in range(steps):
         _, _, b = st.forward_backward(s, [prev])
+        # DDP's and the hook's work beyond the three phases (bucket copies, futures, Python)
+        b = st.engine_overhead(s, "ddp-powersgd", p_s + q_s + m_s, b) or b
         u = st.allreduce(f"s{s}/uncompressed", unc, [b])
         p = st.compute(f"s{s}/P=MQ", p_s, [b], priority=0)
         rp = st.allreduce(f"s{s}/all_reduce P", pbytes, [p])

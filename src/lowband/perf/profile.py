@@ -16,7 +16,9 @@ A profile is a small JSON document (``FORMAT``):
   PyTorch's ``powerSGD_hook`` on the model's matrices per step, by rank, as three phases
   (before the P all-reduce: error feedback and P = MQ; between the all-reduces: orthogonalise
   P and Q = M^T P; after: M = PQ^T and the new error), measured with the hook's own ops
-  (:func:`measure_powersgd_hook`);
+  (:func:`measure_powersgd_hook`); ``engine_overhead_s`` (optional): per algorithm (the DDP
+  peers), the seconds per step its engine adds to a compute-only step in one process with no
+  peer (:func:`measure_engine_overhead`);
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
   input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),
   and the payload size as a ratio of the fp32 bytes plus a fixed number of bytes per call.
@@ -123,6 +125,7 @@ class Profile:
     buffer_bytes: int = 0
     fused_update_s: Optional[float] = None
     powersgd_hook_s: dict[str, list[float]] = field(default_factory=dict)
+    engine_overhead_s: dict[str, float] = field(default_factory=dict)
     codecs: dict[str, CodecInfo] = field(default_factory=dict)
     codec_shares_compute: bool = True
     source: str = ""
@@ -202,6 +205,9 @@ class Profile:
         for r, phases in self.powersgd_hook_s.items():
             if not (str(r).isdigit() and int(r) >= 1 and len(phases) == 3 and min(phases) >= 0):
                 raise ProfileError(f"{where}: powersgd_hook_s[{r!r}] must be three times >= 0 for a rank >= 1")
+        for name, x in self.engine_overhead_s.items():
+            if not (isinstance(x, (int, float)) and x >= 0):
+                raise ProfileError(f"{where}: engine_overhead_s[{name!r}] must be seconds >= 0")
         for name, c in self.codecs.items():
             if not (c.encode_gbps > 0 and c.decode_gbps > 0):
                 raise ProfileError(f"{where}: codec {name!r} needs positive encode_gbps and decode_gbps")
@@ -330,6 +336,56 @@ def _time(fn, reps: int) -> float:
 
 #: ranks at which ``lowband profile`` measures PowerSGD's hook (``ddp-powersgd``'s default is 2)
 POWERSGD_RANKS = (1, 2, 4)
+#: the DDP peers whose per-step engine overhead ``lowband profile`` measures
+DDP_PEERS = ("ddp", "ddp-fp16", "ddp-powersgd")
+
+
+def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequence[str] = DDP_PEERS,
+                            steps: int = 30, rounds: int = 3, warmup: int = 15) -> dict[str, float]:
+    """Seconds per step each algorithm's engine adds to a compute-only (``noop``) step in one
+    process, on a 1-rank gloo group (no peer, no network): for the DDP peers, DDP's Reducer
+    (gradient copies into its buckets, autograd hooks, futures, the copy back) and the
+    communication hook's own work (PowerSGD's matmuls included). Each run is lowband's engine
+    as `lowband train` builds it, ``warmup`` steps (past ``start_powerSGD_iter``) then the
+    median of ``steps``; the runs interleave round by round with a ``noop`` run, and the
+    result is the median over rounds of the difference (at least 0)."""
+    import torch
+    import torch.distributed as dist
+    import lowband
+    from .. import tasks
+    from ..models import make_model
+
+    def run(name: str) -> float:
+        torch.manual_seed(0)
+        model = make_model(model_name)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        engine = lowband.distribute(model, opt, name)
+        x, y = _example_batch(model_name, model, batch_size)
+        times = []
+        try:
+            for _ in range(warmup + steps):
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                tasks.loss(engine.module(x), y).backward()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+        finally:
+            engine.close()
+        return _median(times[warmup:])
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        diffs: dict[str, list[float]] = {a: [] for a in algorithms}
+        for _ in range(rounds):
+            base = run("noop")
+            for a in algorithms:
+                diffs[a].append(run(a) - base)
+        return {a: max(0.0, _median(d)) for a, d in diffs.items()}
+    finally:
+        if own:
+            dist.destroy_process_group()
 
 
 def measure_powersgd_hook(shapes: Sequence[Sequence[int]], rank: int, reps: int = 10,
@@ -492,11 +548,13 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
     say(f"PowerSGD hook: ranks {', '.join(map(str, POWERSGD_RANKS))}")
     shapes = [p.shape for p in c["params"]]
     hook = {str(r): measure_powersgd_hook(shapes, r) for r in POWERSGD_RANKS}
+    say(f"engine overhead: {', '.join(DDP_PEERS)} against noop, one process")
+    overhead = measure_engine_overhead(model_name, batch_size)
     return Profile(
         model=model_name, batch_size=batch_size, forward_s=c["forward_s"], optimizer_s=c["optimizer_s"],
         params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
         backward_tail_s=c["backward_tail_s"], buffer_bytes=c["buffer_bytes"],
-        fused_update_s=c["fused_update_s"], powersgd_hook_s=hook, codecs=infos,
+        fused_update_s=c["fused_update_s"], powersgd_hook_s=hook, engine_overhead_s=overhead, codecs=infos,
         codec_shares_compute=True,
         source=f"measured by `lowband profile --model {model_name} --batch-size {batch_size}` "
                f"(median of {reps} steps, {threads} thread(s), torch {torch.__version__})",
