@@ -303,6 +303,8 @@ def test_measured_profile_round_trips(tmp_path):
     assert back.codecs["1bit"].encode_gbps > 0 and "bucket-level" in back.codecs["1bit"].note  # native: as the collectives run it
     # PyTorch's PowerSGD hook, by rank: three phases, more work at a higher rank
     assert sorted(back.powersgd_hook_s) == ["1", "2", "4"] and back.powersgd_hook_s == prof.powersgd_hook_s
+    # the peers' engine overhead against noop (torchft's only where it is installed)
+    assert {"ddp", "ddp-fp16", "ddp-powersgd"} <= set(back.engine_overhead_s) and back.engine_overhead_s == prof.engine_overhead_s
 
 
 def test_language_model_profiles_with_byte_batches():

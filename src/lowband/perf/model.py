@@ -578,19 +578,55 @@ def _lazy(st: _Step, o: dict, steps: int) -> list[int]:
 
 
 def _periodic_average(st: _Step, o: dict, steps: int, period_key: str, default_period: int,
-                      outer_step: bool, fragments: int = 1) -> list[int]:
+                      outer_step: bool, kind: str) -> list[int]:
     """Local steps; every ``period`` steps one fp32 all-reduce of all parameters (one call per
     dtype) after the optimizer step, on the critical path (DiLoCo: of the pseudo-gradients, then
-    an outer optimizer step)."""
-    period = max(1, int(o.get(period_key, default_period)) // fragments)
+    an outer optimizer step). Every step also pays ``kind``'s measured engine overhead (for
+    DiLoCo, torchft's manager and optimizer wrapper)."""
+    period = max(1, int(o.get(period_key, default_period)))
     ends, prev = [], None
     for s in range(steps):
         _, _, b = st.forward_backward(s, [prev])
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
+        prev = st.engine_overhead(s, kind, 0.0, prev) or prev
         if s % period == 0:
-            prev = st.allreduce(f"s{s}/average parameters", st.p.gradient_bytes / fragments, [prev])
+            prev = st.allreduce(f"s{s}/average parameters", st.p.gradient_bytes, [prev])
             if outer_step:
                 prev = st.compute(f"s{s}/outer optimizer", st.p.optimizer_s, [prev])
+        ends.append(prev)
+    return ends
+
+
+def fragment_groups(prof: Profile, count: int) -> list[list[int]]:
+    """Parameter indices of Streaming DiLoCo's ``count`` fragments, by the rule of
+    :func:`lowband.algorithms.diloco.split_fragments` (contiguous runs in registration order of
+    about equal elements: one large layer makes its fragment large)."""
+    from ..algorithms.diloco import split_fragments
+    return split_fragments(prof.sized_params(), count)
+
+
+def _streaming_diloco(st: _Step, o: dict, steps: int) -> list[int]:
+    """Local steps; fragment j (in turn) is all-reduced every ``sync_every / fragments`` steps:
+    launched after the optimizer of the step ``fragment_sync_delay`` steps before the one that
+    merges it, whose end waits for it and for an outer optimizer step on the fragment (its
+    share of ``optimizer_s``)."""
+    count = max(1, int(o.get("fragments", 2)))
+    period = max(1, int(o.get("sync_every", 16)) // count)
+    delay = max(0, int(o.get("fragment_sync_delay", 0)))
+    groups = fragment_groups(st.p, count)
+    total = float(st.p.gradient_bytes) or 1.0
+    ends, prev, pending, launched = [], None, {}, 0
+    for s in range(steps):
+        _, _, b = st.forward_backward(s, [prev])
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
+        prev = st.engine_overhead(s, "streaming-diloco", 0.0, prev) or prev
+        if (s + 1 + delay) % period == 0:          # launch the next fragment's all-reduce
+            nb = st.nbytes(groups[launched % count])
+            pending[s + delay] = (st.allreduce(f"s{s}/fragment {launched % count}", nb, [prev]), nb)
+            launched += 1
+        if s in pending:                           # merge: wait for it, outer step on the fragment
+            red, nb = pending.pop(s)
+            prev = st.compute(f"s{s}/outer optimizer", st.p.optimizer_s * nb / total, [prev, red])
         ends.append(prev)
     return ends
 
@@ -620,16 +656,16 @@ MODELS: dict[str, AlgorithmModel] = {
                             "correction; local update cost as a multiple of the optimizer step"),
     "lazy": AlgorithmModel(_lazy, lambda o: float(o.get("tau", DEFAULT_TAU)),
                            "regular buckets overlapped; lazy fused all-reduce every tau steps (tau given)"),
-    "localsgd": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "period", 4, False),
+    "localsgd": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "period", 4, False, "localsgd"),
                                lambda o: float(o.get("period", 4)), "parameter all-reduce every period steps"),
-    "diloco": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "sync_every", 50, True),
+    "diloco": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "sync_every", 50, True, "diloco"),
                              lambda o: float(o.get("sync_every", 50)),
                              "as localsgd plus an outer optimizer step"),
     "streaming-diloco": AlgorithmModel(
-        lambda st, o, s: _periodic_average(st, o, s, "sync_every", 16, True, int(o.get("fragments", 4))),
-        lambda o: float(max(1, int(o.get("sync_every", 16)) // int(o.get("fragments", 4)))),
-        "one fragment (1/fragments of the bytes) every sync_every/fragments steps, on the critical "
-        "path: the overlap of fragment_sync_delay inner steps is not modelled (an upper bound)"),
+        _streaming_diloco, lambda o: float(max(1, int(o.get("sync_every", 16)))),
+        "the fragments of lowband's split (contiguous parameters, about equal elements), one every "
+        "sync_every/fragments steps in turn, launched fragment_sync_delay steps before the step that "
+        "merges it waits for it, plus an outer step on the fragment"),
 }
 
 

@@ -16,8 +16,8 @@ A profile is a small JSON document (``FORMAT``):
   PyTorch's ``powerSGD_hook`` on the model's matrices per step, by rank, as three phases
   (before the P all-reduce: error feedback and P = MQ; between the all-reduces: orthogonalise
   P and Q = M^T P; after: M = PQ^T and the new error), measured with the hook's own ops
-  (:func:`measure_powersgd_hook`); ``engine_overhead_s`` (optional): per algorithm (the DDP
-  peers), the seconds per step its engine adds to a compute-only step in one process with no
+  (:func:`measure_powersgd_hook`); ``engine_overhead_s`` (optional): per algorithm (the
+  peers: DDP's three, torchft's DiLoCo), the seconds per step its engine adds to a compute-only step in one process with no
   peer (:func:`measure_engine_overhead`);
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
   input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),
@@ -336,53 +336,64 @@ def _time(fn, reps: int) -> float:
 
 #: ranks at which ``lowband profile`` measures PowerSGD's hook (``ddp-powersgd``'s default is 2)
 POWERSGD_RANKS = (1, 2, 4)
-#: the DDP peers whose per-step engine overhead ``lowband profile`` measures
-DDP_PEERS = ("ddp", "ddp-fp16", "ddp-powersgd")
+#: the peers whose per-step engine overhead ``lowband profile`` measures: their machinery
+#: (DDP's Reducer and hooks, torchft's manager and optimizer wrapper) is not among the tasks
+#: the performance model builds, unlike lowband's own algorithms' buckets and codecs
+MEASURED_PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "diloco", "streaming-diloco")
 
 
-def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequence[str] = DDP_PEERS,
-                            steps: int = 30, rounds: int = 3, warmup: int = 15) -> dict[str, float]:
+def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequence[str] = MEASURED_PEERS,
+                            steps: int = 40, rounds: int = 5, warmup: int = 15) -> dict[str, float]:
     """Seconds per step each algorithm's engine adds to a compute-only (``noop``) step in one
     process, on a 1-rank gloo group (no peer, no network): for the DDP peers, DDP's Reducer
     (gradient copies into its buckets, autograd hooks, futures, the copy back) and the
-    communication hook's own work (PowerSGD's matmuls included). Each run is lowband's engine
-    as `lowband train` builds it, ``warmup`` steps (past ``start_powerSGD_iter``) then the
-    median of ``steps``; the runs interleave round by round with a ``noop`` run, and the
-    result is the median over rounds of the difference (at least 0)."""
+    communication hook's own work (PowerSGD's matmuls included); for DiLoCo, torchft's. The
+    median step excludes periodic steps (DiLoCo's syncs), which the model charges itself. Each run is lowband's engine
+    as `lowband train` builds it; all of them and a ``noop`` engine take their steps in turn,
+    ``warmup`` steps (past ``start_powerSGD_iter``) then ``steps * rounds`` measured, and the
+    result is each median step minus noop's (at least 0)."""
     import torch
     import torch.distributed as dist
     import lowband
     from .. import tasks
     from ..models import make_model
 
-    def run(name: str) -> float:
+    def build(name: str):
         torch.manual_seed(0)
         model = make_model(model_name)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-        engine = lowband.distribute(model, opt, name)
-        x, y = _example_batch(model_name, model, batch_size)
-        times = []
-        try:
-            for _ in range(warmup + steps):
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                tasks.loss(engine.module(x), y).backward()
-                engine.step()
-                times.append(time.perf_counter() - t0)
-        finally:
-            engine.close()
-        return _median(times[warmup:])
+        return opt, lowband.distribute(model, opt, name), _example_batch(model_name, model, batch_size)
 
+    def step(run) -> float:
+        opt, engine, (x, y) = run
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        tasks.loss(engine.module(x), y).backward()
+        engine.step()
+        return time.perf_counter() - t0
+
+    from ..algorithms import ALGORITHMS
+    # peers whose optional extra is missing here (torchft) are left out
+    algorithms = [a for a in algorithms if getattr(ALGORITHMS[a], "unavailable", lambda: None)() is None]
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        diffs: dict[str, list[float]] = {a: [] for a in algorithms}
-        for _ in range(rounds):
-            base = run("noop")
-            for a in algorithms:
-                diffs[a].append(run(a) - base)
-        return {a: max(0.0, _median(d)) for a, d in diffs.items()}
+        # every engine built first, then stepped in turn, step by step: the machine's drift
+        # (other load, clock changes) hits every algorithm alike
+        runs = {a: build(a) for a in ["noop", *algorithms]}
+        times: dict[str, list[float]] = {a: [] for a in runs}
+        try:
+            for i in range(warmup + steps * rounds):
+                for a, run in runs.items():
+                    dt = step(run)
+                    if i >= warmup:
+                        times[a].append(dt)
+        finally:
+            for _, engine, _ in runs.values():
+                engine.close()
+        base = _median(times["noop"])
+        return {a: max(0.0, _median(times[a]) - base) for a in algorithms}
     finally:
         if own:
             dist.destroy_process_group()
@@ -548,8 +559,10 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
     say(f"PowerSGD hook: ranks {', '.join(map(str, POWERSGD_RANKS))}")
     shapes = [p.shape for p in c["params"]]
     hook = {str(r): measure_powersgd_hook(shapes, r) for r in POWERSGD_RANKS}
-    say(f"engine overhead: {', '.join(DDP_PEERS)} against noop, one process")
-    overhead = measure_engine_overhead(model_name, batch_size)
+    say(f"engine overhead: {', '.join(MEASURED_PEERS)} against noop, one process")
+    # steps * rounds = 5 x reps measured steps per engine (a test's reps=1: 1 step, past the warm-up)
+    overhead = measure_engine_overhead(model_name, batch_size, steps=reps, rounds=5 if reps >= 10 else 1,
+                                       warmup=15 if reps >= 10 else 11)
     return Profile(
         model=model_name, batch_size=batch_size, forward_s=c["forward_s"], optimizer_s=c["optimizer_s"],
         params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
