@@ -236,10 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--images", default=None, help="directory for the plots (default: next to the results file)")
     r.add_argument("--section", default="bench", help="name of the generated section (default: %(default)s)")
 
-    pr = sub.add_parser("profile", help="measure a model's per-layer compute and codec costs (a JSON profile)",
+    pr = sub.add_parser("profile", help="measure a model's per-layer compute, codec and peer-engine costs (a JSON profile)",
                         description="Measure, on this machine and one worker, forward time, per-parameter backward "
                                     "time in gradient-ready order, optimizer time, gradient sizes and every "
-                                    "compressor's encode/decode throughput; write them as a profile for `lowband plan`.")
+                                    "compressor's encode/decode throughput, PowerSGD's hook phases and what each peer's engine "
+                                    "(DDP, torchft's DiLoCo) adds to a compute-only step; write them as a profile for "
+                                    "`lowband plan`.")
     pr.add_argument("--model", required=True, help=f"model name: {', '.join(MODELS)}")
     pr.add_argument("--out", required=True, help="profile file to write (JSON)")
     pr.add_argument("--batch-size", type=int, default=None, help=f"per-worker batch size ({_by_task('batch_size')})")
