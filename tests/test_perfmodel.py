@@ -211,6 +211,26 @@ def test_engine_overhead_is_measured_against_noop_in_one_process():
     assert set(got) == {"ddp", "ddp-powersgd"} and all(x >= 0 for x in got.values())
 
 
+def test_streaming_diloco_syncs_the_codes_fragments_in_turn_and_hides_them_with_a_delay():
+    """Fragments by lowband's rule (one large layer: one large fragment); with no delay each
+    fragment's all-reduce is on the critical path once per rotation of ``sync_every`` steps;
+    with a delay of one step and enough compute it hides behind the next step."""
+    from lowband.algorithms.diloco import split_fragments
+    from lowband.perf.model import fragment_groups
+    prof = make_profile([1_000_000, 1000, 1000], [0.001, 0.001, 0.001], forward=0.001, optimizer=0.0)
+    assert fragment_groups(prof, 2) == split_fragments(prof.sized_params(), 2) == [[0], [1, 2]]
+    net = Network(1 * GBIT, 1e-5)
+    n = 2
+    opts = {"sync_every": 16, "fragments": 2, "fragment_sync_delay": 0}
+    est = estimate(prof, "streaming-diloco", opts, Cluster(n, net))
+    comm = net.allreduce_s(4e6, n) + net.allreduce_s(8e3, n)          # both fragments, once per 16 steps
+    assert est.step_s == pytest.approx(prof.compute_s + comm / 16)
+    assert est.bytes_sent == pytest.approx((wire.allreduce_bytes(4e6, n) + wire.allreduce_bytes(8e3, n)) / 16)
+    slow = make_profile([1_000_000, 1000, 1000], [0.02, 0.02, 0.02], forward=0.02, optimizer=0.0)
+    hidden = estimate(slow, "streaming-diloco", {**opts, "fragment_sync_delay": 1}, Cluster(n, net))
+    assert hidden.step_s == pytest.approx(slow.compute_s)           # 32 ms of wire behind an 80 ms step
+
+
 def test_codec_sharing_the_processor_is_never_faster():
     prof = make_profile([300_000, 300_000], [0.01, 0.01], codec=_codec(), shares=True)
     net = Network(1 * GBIT, 1e-5)
