@@ -376,6 +376,8 @@ def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequen
     # peers whose optional extra is missing here (torchft) are left out
     algorithms = [a for a in algorithms if getattr(ALGORITHMS[a], "unavailable", lambda: None)() is None]
     own = not dist.is_initialized()
+    if not own and dist.get_world_size() != 1:
+        return {}                   # inside a multi-rank job: no one-process measurement to make here
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
