@@ -343,7 +343,35 @@ MEASURED_PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "diloco", "streaming-diloco
 
 
 def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequence[str] = MEASURED_PEERS,
-                            steps: int = 40, rounds: int = 5, warmup: int = 15) -> dict[str, float]:
+                            steps: int = 40, rounds: int = 5, warmup: int = 15, timeout_s: float = 900.0) -> dict[str, float]:
+    """:func:`engine_overhead_here` in a fresh Python process, which leaves with ``os._exit``:
+    tearing down DDP's Reducer and its gloo group after ``destroy_process_group`` can hang
+    in ``~ProcessGroupGloo`` (seen in the test suite), and a child process needs no tear-down.
+    A child that fails or times out gives ``{}`` (no measurement), with its error on stderr."""
+    import subprocess
+    import sys
+    code = ("import json, os, sys\n"
+            "from lowband.perf.profile import engine_overhead_here\n"
+            f"r = engine_overhead_here({model_name!r}, {batch_size}, {list(algorithms)!r}, {steps}, {rounds}, {warmup})\n"
+            "sys.stdout.write('\\nENGINE-OVERHEAD ' + json.dumps(r) + '\\n'); sys.stdout.flush(); os._exit(0)\n")
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        print(f"lowband profile: engine overhead not measured (timed out after {timeout_s:.0f} s)", file=sys.stderr)
+        return {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("ENGINE-OVERHEAD "):
+            return {k: float(v) for k, v in json.loads(line[len("ENGINE-OVERHEAD "):]).items()}
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    print(f"lowband profile: engine overhead not measured (exit {proc.returncode}: {tail})", file=sys.stderr)
+    return {}
+
+
+def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[str] = MEASURED_PEERS,
+                         steps: int = 40, rounds: int = 5, warmup: int = 15) -> dict[str, float]:
     """Seconds per step each algorithm's engine adds to a compute-only (``noop``) step in one
     process, on a 1-rank gloo group (no peer, no network): for the DDP peers, DDP's Reducer
     (gradient copies into its buckets, autograd hooks, futures, the copy back) and the
