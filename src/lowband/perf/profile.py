@@ -17,8 +17,8 @@ A profile is a small JSON document (``FORMAT``):
   (before the P all-reduce: error feedback and P = MQ; between the all-reduces: orthogonalise
   P and Q = M^T P; after: M = PQ^T and the new error), measured with the hook's own ops
   (:func:`measure_powersgd_hook`); ``engine_overhead_s`` (optional): per algorithm (the
-  peers: DDP's three, torchft's DiLoCo), the seconds per step its engine adds to a compute-only step in one process with no
-  peer (:func:`measure_engine_overhead`);
+  peers: DDP's three, torchft's DiLoCo), the seconds per step its engine adds to a
+  compute-only step in one process with no peer (:func:`measure_engine_overhead`);
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
   input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),
   and the payload size as a ratio of the fp32 bytes plus a fixed number of bytes per call.
@@ -43,7 +43,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 FORMAT = "lowband-profile/1"
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
@@ -352,8 +352,9 @@ def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequen
     import sys
     code = ("import json, os, sys\n"
             "from lowband.perf.profile import engine_overhead_here\n"
-            f"r = engine_overhead_here({model_name!r}, {batch_size}, {list(algorithms)!r}, {steps}, {rounds}, {warmup})\n"
-            "sys.stdout.write('\\nENGINE-OVERHEAD ' + json.dumps(r) + '\\n'); sys.stdout.flush(); os._exit(0)\n")
+            "def report(r):\n"
+            "    sys.stdout.write('\\nENGINE-OVERHEAD ' + json.dumps(r) + '\\n'); sys.stdout.flush(); os._exit(0)\n"
+            f"engine_overhead_here({model_name!r}, {batch_size}, {list(algorithms)!r}, {steps}, {rounds}, {warmup}, report)\n")
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
@@ -370,16 +371,17 @@ def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequen
     return {}
 
 
-def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[str] = MEASURED_PEERS,
-                         steps: int = 40, rounds: int = 5, warmup: int = 15) -> dict[str, float]:
-    """Seconds per step each algorithm's engine adds to a compute-only (``noop``) step in one
-    process, on a 1-rank gloo group (no peer, no network): for the DDP peers, DDP's Reducer
-    (gradient copies into its buckets, autograd hooks, futures, the copy back) and the
-    communication hook's own work (PowerSGD's matmuls included); for DiLoCo, torchft's. The
-    median step excludes periodic steps (DiLoCo's syncs), which the model charges itself. Each run is lowband's engine
-    as `lowband train` builds it; all of them and a ``noop`` engine take their steps in turn,
-    ``warmup`` steps (past ``start_powerSGD_iter``) then ``steps * rounds`` measured, and the
-    result is each median step minus noop's (at least 0)."""
+def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[str], steps: int, rounds: int,
+                         warmup: int, report: Callable[[dict[str, float]], None]) -> None:
+    """Seconds per step each algorithm's engine adds to a compute-only (``noop``) step, in
+    this fresh process on a 1-rank gloo group (no peer, no network): for the DDP peers, DDP's
+    Reducer (gradient copies into its buckets, autograd hooks, futures, the copy back) and the
+    communication hook's own work (PowerSGD's matmuls included); for DiLoCo, torchft's. Each
+    is lowband's engine as `lowband train` builds it; all of them and a ``noop`` engine take
+    their steps in turn, ``warmup`` steps (past ``start_powerSGD_iter``) then ``steps *
+    rounds`` measured; each median step (which leaves out DiLoCo's periodic syncs, charged by
+    the model itself) minus noop's, at least 0, goes to ``report`` before anything is torn
+    down (``report`` leaves the process: see :func:`measure_engine_overhead`)."""
     import torch
     import torch.distributed as dist
     import lowband
@@ -403,35 +405,23 @@ def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[
     from ..algorithms import ALGORITHMS
     # peers whose optional extra is missing here (torchft) are left out
     algorithms = [a for a in algorithms if getattr(ALGORITHMS[a], "unavailable", lambda: None)() is None]
-    own = not dist.is_initialized()
-    if not own and dist.get_world_size() != 1:
-        return {}                   # inside a multi-rank job: no one-process measurement to make here
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        # every engine built first, then stepped in turn, step by step: the machine's drift
-        # (other load, clock changes) hits every algorithm alike
-        runs = {"noop": build("noop")}
-        for a in algorithms:
-            try:
-                runs[a] = build(a)
-            except ValueError:      # the peer refuses this model (ddp-powersgd: more than one bucket)
-                continue
-        times: dict[str, list[float]] = {a: [] for a in runs}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # every engine built first, then stepped in turn, step by step: the machine's drift
+    # (other load, clock changes) hits every algorithm alike
+    runs = {"noop": build("noop")}
+    for a in algorithms:
         try:
-            for i in range(warmup + steps * rounds):
-                for a, run in runs.items():
-                    dt = step(run)
-                    if i >= warmup:
-                        times[a].append(dt)
-        finally:
-            for _, engine, _ in runs.values():
-                engine.close()
-        base = _median(times["noop"])
-        return {a: max(0.0, _median(times[a]) - base) for a in runs if a != "noop"}
-    finally:
-        if own:
-            dist.destroy_process_group()
+            runs[a] = build(a)
+        except ValueError:      # the peer refuses this model (ddp-powersgd: more than one bucket)
+            continue
+    times: dict[str, list[float]] = {a: [] for a in runs}
+    for i in range(warmup + steps * rounds):
+        for a, run in runs.items():
+            dt = step(run)
+            if i >= warmup:
+                times[a].append(dt)
+    base = _median(times["noop"])
+    report({a: max(0.0, _median(times[a]) - base) for a in runs if a != "noop"})
 
 
 def measure_powersgd_hook(shapes: Sequence[Sequence[int]], rank: int, reps: int = 10,
