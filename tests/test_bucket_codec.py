@@ -107,6 +107,29 @@ def test_native_encode_equals_torch_path(case, sizes, chunks, seed, ef, skip, na
                 assert torch.equal(_bits(e1[src + a:src + b]), _bits(e[src + a:src + b]))
 
 
+@pytest.mark.parametrize("ef", [True, False])
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_native_scale_aware_full_blocks_equal_torch_path(ef, chunks):
+    """Segments of many whole 256-element scale blocks (the kernel's fused full-block path)
+    next to partial and skipped blocks, with a NaN, an Inf, ties on the threshold and an
+    all-zero block: bit for bit as the torch path."""
+    bc = _bucket(("2bit", {"relative": 1.0, "scale_block": 256}), [256 * 7 + 3, 1024, 300], chunks)
+    g, e = _data(bc.layout.total, 11)
+    g[5], g[700], g[1300:1556] = float("nan"), float("inf"), 0.0
+    if not ef:
+        e = None
+    else:
+        e[1300:1556] = 0.0
+    sk = _skip(bc, 260, 270, False)
+    for skip in (None, sk):
+        (o1, e1), (o2, e2) = _both_encodes(bc, g, e, skip)
+        assert torch.equal(o1, o2)
+        if ef:
+            assert torch.equal(torch.isnan(e1), torch.isnan(e2))
+            fin = ~torch.isnan(e1)
+            assert torch.equal(_bits(e1[fin]), _bits(e2[fin]))
+
+
 def _reference_mxnet(g, e, t, layout):
     """Per-element MXNet 2-bit with error feedback on the two-stage layout (numpy)."""
     t = np.float32(t)

@@ -34,11 +34,22 @@
 
 enum { RUN_SRC = 0, RUN_LEN = 1, RUN_C = 2, RUN_WORD = 3, RUN_SCALE = 4, RUN_COLS = 5 };
 
-static float fold256(float *x) {
-    for (int w = ROW / 2; w >= 1; w >>= 1)
-        for (int j = 0; j < w; ++j) x[j] = x[j] + x[j + w];
-    return x[0];
+/* the canonical fold of x[0..2w) (w a power of two <= 128), from level w down: every level has
+ * a constant trip count, so the compiler unrolls and vectorizes it (a loop over w did not: its
+ * short levels cost more than the long ones) */
+static inline float fold_from(float *x, int w) {
+    if (w >= 128) for (int j = 0; j < 128; ++j) x[j] = x[j] + x[j + 128];
+    if (w >= 64) for (int j = 0; j < 64; ++j) x[j] = x[j] + x[j + 64];
+    if (w >= 32) for (int j = 0; j < 32; ++j) x[j] = x[j] + x[j + 32];
+    for (int j = 0; j < 16; ++j) x[j] = x[j] + x[j + 16];
+    for (int j = 0; j < 8; ++j) x[j] = x[j] + x[j + 8];
+    for (int j = 0; j < 4; ++j) x[j] = x[j] + x[j + 4];
+    x[0] = x[0] + x[2];
+    x[1] = x[1] + x[3];
+    return x[0] + x[1];
 }
+
+static float fold256(float *x) { return fold_from(x, 128); }
 
 /* canonical sum of n >= 0 non-negative floats; x is clobbered (used as scratch) */
 static float canon_sum_inplace(float *x, int64_t n) {
@@ -137,6 +148,55 @@ void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nru
 }
 
 /* ---------------------------------------------------------------- 2-bit, scale-aware */
+/* rel_block (below) for a full block of ROW real elements, none skipped: the same arithmetic
+ * in the same order, with each canonical fold's first level (y[j] = x[j] + x[j + 128]) done
+ * where its terms are produced, so the squares and the fired magnitudes are never stored. */
+LB_CLONES
+static float rel_block_full(const float *gp, float *ep, float a, uint32_t *words, float *scratch) {
+    float *rv = scratch, *tmp = scratch + ROW;
+    uint8_t *codes = (uint8_t *)(scratch + 2 * ROW);
+    const int H = ROW / 2;
+    if (ep) {
+        for (int j = 0; j < H; ++j) {
+            float r0 = ep[j] + gp[j], r1 = ep[j + H] + gp[j + H];
+            rv[j] = r0; rv[j + H] = r1;
+            float s0 = r0 * r0, s1 = r1 * r1;
+            tmp[j] = s0 + s1;
+        }
+    } else {
+        for (int j = 0; j < H; ++j) {
+            float r0 = gp[j], r1 = gp[j + H];
+            rv[j] = r0; rv[j + H] = r1;
+            float s0 = r0 * r0, s1 = r1 * r1;
+            tmp[j] = s0 + s1;
+        }
+    }
+    float sq = fold_from(tmp, 64);
+    float t = (float)sqrt((double)(sq / (float)ROW)) * a;   /* correctly rounded sqrt */
+    if (t < FLT_MIN) t = FLT_MIN;       /* NaN stays NaN */
+    float mt = -t;
+    int32_t nf = 0;
+    for (int j = 0; j < H; ++j) {
+        float m0 = fabsf(rv[j]), m1 = fabsf(rv[j + H]);
+        int32_t f0 = m0 >= t, f1 = m1 >= t;
+        nf += f0 + f1;
+        float x0 = f0 ? m0 : 0.0f, x1 = f1 ? m1 : 0.0f;
+        tmp[j] = x0 + x1;
+    }
+    float sa = fold_from(tmp, 64);
+    float v = nf > 0 ? sa / (float)nf : t;
+    float *res = ep ? ep : tmp;
+    for (int j = 0; j < ROW; ++j) {      /* residual and code in one pass */
+        float r = rv[j];
+        int32_t p = r >= t, n = r <= mt;
+        res[j] = r - (float)(p - n) * v;
+        codes[j] = (uint8_t)(p * 3 + n * 2);
+    }
+    pack_codes(codes, ROW, words);
+    return v;
+}
+
+
 /* One scale block [b0, b0+L) of a chunk: t = max(a*sqrt(sum r^2 / L), FLT_MIN);
  * fired = |r| >= t; v = sum fired |r| / nfired (t when nothing fires); codes; e = r - s*v.
  * scratch: 2*L floats + L bytes. */
@@ -146,6 +206,8 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
     float *rv = scratch, *tmp = scratch + L;
     uint8_t *codes = (uint8_t *)(scratch + 2 * L);
     int simple = (b0 + L <= len) && (hi <= b0 || lo >= b0 + L);
+    if (simple && L == ROW)   /* the common case, with the folds' first levels fused in */
+        return rel_block_full(g + src + b0, e ? e + src + b0 : NULL, a, words + b0 / 16, scratch);
     if (simple) {
         const float *gp = g + src + b0;
         if (e) {
