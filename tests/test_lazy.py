@@ -185,11 +185,16 @@ def _two_rank_suite(rank: int, world: int) -> dict:
                                     {"lazy_layers": layers, "variant": variant, "window_step": window_step})
         out[key] = params, [(t + 1, m["tau"]) for t, m in enumerate(metrics) if m["lazy_synced"]]
     for name, make, layers in (("pair", TiedPair, 3), ("lm", TiedLM, 2)):
-        lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1}, steps=TIED_STEPS)
+        lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1, "tied": "regular"},
+                      steps=TIED_STEPS)
         ssgd = _train(rank, world, make, "ssgd", {}, steps=TIED_STEPS)
         torch.manual_seed(0)
         out[name] = lazy[0], ssgd[0], params_of(make()), lazy[2]
     out["lm_adaptive"] = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2})[1]
+    split = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2}, steps=STEPS)
+    out["lm_split"] = split[0], [(t + 1, m["tau"]) for t, m in enumerate(split[1]) if m["lazy_synced"]], split[2]
+    emb_only = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 1}, steps=STEPS)
+    out["lm_split_emb_only"] = emb_only[0], [(t + 1, m["tau"]) for t, m in enumerate(emb_only[1]) if m["lazy_synced"]]
     out["head_first"] = _train(rank, world, HeadFirst, "lazy", {"lazy_layers": 2}, steps=3)[2]
     out["no_lazy"] = (_train(rank, world, SmallNet, "lazy", {"lazy_layers": 0}, steps=TIED_STEPS)[0],
                       _train(rank, world, SmallNet, "ssgd", {}, steps=TIED_STEPS)[0])
@@ -289,6 +294,83 @@ def test_tied_weights_train_like_ssgd_at_tau_max_1(two_ranks, name):
         assert summary["lazy_layers"] == ["stem", "a", "b"] and summary["lazy_parameters"].count("a.weight") == 1
     else:                # the embedding tied to the (regular) output head: regular
         assert summary["shared_regular_parameters"] == ["emb.weight"] and summary["lazy_layers"] == ["mid"]
+        assert summary["tied_split_parameters"] == []          # tied="regular"
+
+
+def simulate_split(world: int, lazy_layers: int):
+    """``tied="split"`` on TiedLM written out: each worker's gradient of the tied weight taken
+    apart by use (a separate copy of the weight for the lookup and for the head), the head's part
+    averaged every step, the lookup's accumulated with the wholly lazy parameters (``mid`` when
+    lazy_layers=2) and added on sync steps; tau from the probe (``mid``, or the lookup's part
+    when it is the only lazy layer)."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = make_optimizer("sgd", model)
+    named = dict(model.named_parameters())
+    lazy_names = ["mid.weight", "mid.bias"] if lazy_layers == 2 else []
+    acc = {n: torch.zeros_like(named[n]) for n in lazy_names + ["emb.weight"]}
+    streams = [_lm_batches(r, STEPS) for r in range(world)]
+    tau, n_acc, history = 1, 0, []
+    for t in range(STEPS):
+        per_worker = []
+        for r in range(world):
+            x, y = next(streams[r])
+            w_in = named["emb.weight"].detach().clone().requires_grad_()
+            w_out = named["emb.weight"].detach().clone().requires_grad_()
+            mid_w = named["mid.weight"].detach().clone().requires_grad_()
+            mid_b = named["mid.bias"].detach().clone().requires_grad_()
+            h = torch.tanh(F.linear(F.embedding(x, w_in), mid_w, mid_b))
+            loss = F.cross_entropy(F.linear(h, w_out).flatten(0, 1), y.flatten())
+            gi, go, gw, gb = torch.autograd.grad(loss, [w_in, w_out, mid_w, mid_b])
+            per_worker.append({"lookup": gi, "head": go, "mid.weight": gw, "mid.bias": gb})
+        mean = {k: sum(g[k] for g in per_worker) / world for k in per_worker[0]}
+        if t == 0:      # step 1: every layer synchronized (the forward order is not known yet)
+            grads = {"emb.weight": mean["head"] + mean["lookup"], "mid.weight": mean["mid.weight"],
+                     "mid.bias": mean["mid.bias"]}
+            tau, sync = 2, False
+            history.append((1, 2))
+        else:
+            for n in lazy_names:
+                acc[n] += mean[n]
+            acc["emb.weight"] += mean["lookup"]
+            n_acc += 1
+            sync = n_acc >= tau
+            grads = {"emb.weight": mean["head"]}
+            grads.update({n: mean[n] for n in ("mid.weight", "mid.bias") if n not in lazy_names})
+        if sync:
+            for n in lazy_names:
+                grads[n] = acc[n].clone()
+            grads["emb.weight"] = grads["emb.weight"] + acc["emb.weight"]
+            if n_acc == 1:
+                tau += 1
+            else:
+                g = torch.cat([mean[k].reshape(-1) for k in lazy_names]) if lazy_names else mean["lookup"].reshape(-1)
+                a = torch.cat([acc[k].reshape(-1) for k in lazy_names]) if lazy_names else acc["emb.weight"].reshape(-1)
+                tau, _, _ = interval_update(g, a, n_acc, tau)
+            for a in acc.values():
+                a.zero_()
+            n_acc = 0
+            history.append((t + 1, tau))
+        for n, p in named.items():
+            p.grad = grads.get(n)
+        opt.step()
+    return {n: p.detach().clone() for n, p in named.items()}, history
+
+
+@pytest.mark.parametrize("key, lazy_layers", [("lm_split", 2), ("lm_split_emb_only", 1)])
+def test_tied_embedding_split_matches_simulation(two_ranks, key, lazy_layers):
+    """The lookup's contribution to the tied weight is lazy, the head's regular (tied="split",
+    the default): against a slow simulation that takes the contributions apart by hand."""
+    reference, ref_history = simulate_split(2, lazy_layers)
+    for per_rank in two_ranks:
+        params, history = per_rank[key][:2]
+        assert history == ref_history
+        assert max_rel_err(params, reference) <= 1e-5
+    assert len(ref_history) < STEPS and max(tau for _, tau in ref_history) >= 3    # it really was lazy
+    assert max_rel_err(two_ranks[0][key][0], two_ranks[1][key][0]) == 0.0
+    if key == "lm_split":
+        summary = two_ranks[0][key][2]
+        assert summary["tied_split_parameters"] == ["emb.weight"] and summary["lazy_layers"] == ["mid"]
 
 
 def test_tied_embedding_adapts(two_ranks):
@@ -405,3 +487,66 @@ def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path):
     assert "| 200mbit | 2 | lazy:bucket_mb=0.25 | 50.0% | 2.50 | 2 | 100.0 | 100.0 | 10.0 | 40.0 | 0.25 |" in table
     assert plot_tau(rows, str(tmp_path)) == ["tau_over_steps.png"] and (tmp_path / "tau_over_steps.png").exists()
     assert lazy_table(rows[:1]) == "" and plot_tau(rows[:1], str(tmp_path)) == []
+
+
+# -- the guard sees the split weight's lazy contribution -----------------------------------------
+
+NAN_STEP = 4          # after the lazy plan is fixed (step 1), inside a window
+
+
+class _NaNInBackward(torch.autograd.Function):
+    """Identity in forward; in backward, NaN into the gradient that flows to the input side."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class _PoisonedLookupLM(TiedLM):
+    poison = False
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        if self.poison:
+            x = _NaNInBackward.apply(x)   # only the lookup's contribution to emb.weight is NaN
+        return self.head(torch.tanh(self.mid(x)))
+
+
+def _nan_in_lookup(rank: int, world: int, policy: str) -> dict:
+    torch.manual_seed(0)
+    model = _PoisonedLookupLM()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, "lazy", lazy_layers=2, nonfinite=policy)
+    out = {"applied": []}
+    for step, (x, y) in enumerate(_lm_batches(rank, NAN_STEP + 2), start=1):
+        model.poison = step == NAN_STEP and rank == 1
+        opt.zero_grad()
+        F.cross_entropy(engine.module(x).flatten(0, 1), y.flatten()).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            out["applied"].append(engine.step())
+        except lowband.NonFiniteGradientError as e:
+            out.update(step=e.step, bad=e.bad, unchanged=all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+            return out
+    engine.synchronize()
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    engine.close()
+    return out
+
+
+def _nan_in_lookup_runs(rank: int, world: int) -> dict:
+    return {policy: _nan_in_lookup(rank, world, policy) for policy in ("skip", "raise")}
+
+
+def test_guard_checks_the_split_lookup_contribution():
+    """A NaN that reaches the tied embedding only through the lookup (the part the split keeps
+    out of .grad) is caught at its own step on every rank: raise names it, skip drops the step."""
+    for r in run_distributed(_nan_in_lookup_runs, 2):
+        assert r["raise"]["step"] == NAN_STEP and r["raise"]["bad"] == {1: "emb.weight"}
+        assert r["raise"]["unchanged"]
+        assert r["skip"]["applied"] == [True] * (NAN_STEP - 1) + [False, True, True]
+        assert r["skip"]["finite"]

@@ -28,17 +28,27 @@ VARIANTS = {
                                     "flush_residual_on_correction": True, "local_update": "sgd"}),
     "cpsgd/adaptive": ("cpsgd", {"warmup_steps": 1, "correction_period": 2, "adapt_period": True,
                                  "min_period": 1, "max_period": 3}),
+    # the tied embedding's lookup part is accumulated apart (tied="split"); saved mid-window
+    "lazy/tied-split": ("lazy", {"lazy_layers": 2}),
 }
+#: variants trained on the tied-embedding language model of tests/test_lazy.py
+LM_VARIANTS = {"lazy/tied-split"}
 
 
-def _roundtrip(rank: int, world: int, algorithm: str, options: dict) -> bool:
+def _roundtrip(rank: int, world: int, algorithm: str, options: dict, lm: bool = False) -> bool:
+    from .test_lazy import TiedLM, _lm_batches
+
     def fresh():
         torch.manual_seed(0)
-        model = SmallNet()
+        model = TiedLM() if lm else SmallNet()
         opt = make_optimizer("sgd", model)
         return model, opt, lowband.distribute(model, opt, algorithm, **options)
 
-    data = batches(rank, world)
+    class _Data:
+        def epoch(self, _):
+            return _lm_batches(rank, FIRST + SECOND) if lm else batches(rank, world).epoch(0)
+
+    data = _Data()
     model, opt, engine = fresh()
     it = data.epoch(0)
 
@@ -46,7 +56,8 @@ def _roundtrip(rank: int, world: int, algorithm: str, options: dict) -> bool:
         for _ in range(n):
             x, y = next(it)
             o.zero_grad()
-            torch.nn.functional.cross_entropy(e.module(x), y).backward()
+            out = e.module(x)
+            torch.nn.functional.cross_entropy(out.flatten(0, 1) if lm else out, y.flatten() if lm else y).backward()
             e.step()
 
     steps(model, opt, engine, FIRST)
@@ -77,7 +88,7 @@ def _all(rank: int, world: int) -> dict[str, bool]:
     # the torchft peers refuse checkpoints with one clear line by design (tests/test_diloco.py)
     results = {a: _roundtrip(rank, world, a, OPTIONS.get(a, {})) for a in sorted(lowband.ALGORITHMS)
                if a not in NO_CHECKPOINTS}
-    results.update({v: _roundtrip(rank, world, a, o) for v, (a, o) in VARIANTS.items()})
+    results.update({v: _roundtrip(rank, world, a, o, lm=v in LM_VARIANTS) for v, (a, o) in VARIANTS.items()})
     return results
 
 

@@ -146,6 +146,8 @@ class Engine:
         callers then leave their LR scheduler alone, as if the step had not happened."""
         if self.guard.active:
             step = self.comm.stats.steps + 1
+            for index, gradient in self.bound.captured_gradients():
+                self.guard.record(index, gradient)
             with self._waiting():
                 if self.guard.policy == "raise" and self.bound.gradients_applied_late():
                     self.guard.start(step)   # settles the previous step's deferred decision first

@@ -154,6 +154,11 @@ class GradientGuard:
         elif forward is not None:
             forward(index)
 
+    def record(self, index: int, gradient: torch.Tensor) -> None:
+        """Check one more gradient contribution of parameter ``index`` that an algorithm holds
+        outside ``.grad`` (:meth:`BoundAlgorithm.captured_gradients`); before the decision."""
+        self._finite.append((index, all_finite(gradient)))
+
     def _first_bad(self) -> int:
         """This rank's first parameter index (registration order) with a non-finite gradient."""
         bad = [i for i, ok in self._finite if not bool(ok)]

@@ -107,6 +107,12 @@ class BoundAlgorithm(ABC):
     def drain(self) -> None:
         """Finish all in-flight work so the model holds the global weights."""
 
+    def captured_gradients(self) -> "list[tuple[int, torch.Tensor]]":
+        """Gradient contributions of this iteration that the algorithm captured outside
+        ``.grad`` (``(parameter index, tensor)``), so that the engine's finiteness guard checks
+        them with the rest before ``step()`` (the lazy update's tied-weight split)."""
+        return []
+
     def gradients_applied_late(self) -> bool:
         """True if the coming ``step()`` applies this iteration's gradients to the global
         model only at the next ``step()`` (a depth-1 pipeline), so the engine's finiteness

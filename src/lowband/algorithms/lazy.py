@@ -24,9 +24,15 @@ synchronizes every layer (as a tau = 1 window would anyway), then all ranks chec
 recorded the same order and fix the lazy set (:class:`LazyPlan`).
 
 Parameters shared between modules (tied weights) are handled once each: a parameter is lazy
-only when every module that owns it is lazy; one shared with a regular layer (an input
-embedding tied to the output head that stays regular) is regular, synchronized every step,
-so no regular layer's update is ever delayed.
+only when every module that owns it is lazy. One shared between a lazy layer and a regular one
+(an input embedding tied to the output head) is, by default (``tied="split"``), split by where
+its gradient comes from: while the lazy layer runs forward it reads a detached alias of the
+weight (same storage), so backward delivers the lazy layer's contribution to the alias and
+only the regular layers' contribution to ``.grad``. The regular part is then complete as soon
+as the output head's backward is done and is averaged every step with the other regular
+layers, overlapped with backward; the lazy part (the input embedding's, which arrives last)
+is accumulated and synchronized with the lazy layers every tau steps and added to the
+weight's gradient on sync steps. ``tied="regular"`` keeps such a weight wholly regular.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 
 VARIANTS = ("probe", "vote")
+TIED = ("split", "regular")
 WINDOW_STEPS = ("sum", "scaled")
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 #: PCNN's NUM_LAZY_LAYERS: conv1 + stage 1 + the stage-2 projection of ResNet-20
@@ -122,13 +129,16 @@ class LazyPlan:
     ``layers``: the lazy layers (module names, forward order) that keep at least one lazy
     parameter; ``slices``: their lazy parameter indices (a parameter tied between two lazy
     layers appears in both); ``indices``: every lazy parameter index once; ``shared_regular``:
-    indices owned by a lazy layer but also by a regular module, hence regular."""
+    indices owned by a lazy layer but also by a regular module, hence regular; ``tied_uses``:
+    ``(module name, attribute, index)`` for each lazy layer's own attribute holding such a
+    parameter (where ``tied="split"`` routes the lazy layer's contribution)."""
 
     order: list[str]
     layers: list[str]
     slices: list[list[int]]
     indices: list[int]
     shared_regular: list[int]
+    tied_uses: list[tuple[str, str, int]]
 
     @classmethod
     def build(cls, model: nn.Module, params: Sequence[nn.Parameter], order: Sequence[str],
@@ -143,16 +153,18 @@ class LazyPlan:
             for p in m.parameters(recurse=False):
                 if id(p) in index_of:
                     owners.setdefault(index_of[id(p)], set()).add(name)
-        names, slices, indices, shared = [], [], [], []
+        names, slices, indices, shared, uses = [], [], [], [], []
         for name, m in layers[:count]:
             own = list(dict.fromkeys(index_of[id(p)] for p in m.parameters(recurse=False) if id(p) in index_of))
             lazy = [i for i in own if owners[i] <= chosen]
             shared += [i for i in own if i not in lazy and i not in shared]
+            uses += [(name, attr, index_of[id(p)]) for attr, p in m.named_parameters(recurse=False)
+                     if id(p) in index_of and index_of[id(p)] not in lazy]
             if lazy:
                 names.append(name)
                 slices.append(lazy)
                 indices += [i for i in lazy if i not in indices]
-        return cls(list(order), names, slices, indices, shared)
+        return cls(list(order), names, slices, indices, shared, uses)
 
 
 @dataclass
@@ -176,6 +188,11 @@ class LazyUpdate(Algorithm):
             rate, 1/n of what ``ssgd`` moves them in the same n steps). Measured on ``gpt``
             (AdamW, 200 steps): 21% worse validation loss than ``ssgd`` against 5% for
             ``"sum"`` (docs/lazy.md), hence not the default.
+        tied: a weight tied between a lazy layer and a regular one (an input embedding tied to
+            the output head). ``"split"`` (default): the lazy layer's gradient contribution is
+            lazy, the regular layers' is averaged every step (module docstring). ``"regular"``:
+            the whole weight is regular, so the input embedding's contribution, which backward
+            produces last, is sent every step after backward.
     """
 
     lazy_layers: Optional[int] = None
@@ -183,6 +200,7 @@ class LazyUpdate(Algorithm):
     tau_max: Optional[int] = None
     bucket_mb: float = 1.0
     window_step: str = "sum"
+    tied: str = "split"
 
     name: ClassVar[str] = "lazy"
 
@@ -197,6 +215,8 @@ class LazyUpdate(Algorithm):
             raise ValueError(f"lazy: bucket_mb must be > 0, got {self.bucket_mb}")
         if self.window_step not in WINDOW_STEPS:
             raise ValueError(f"lazy: window_step must be one of {WINDOW_STEPS}, got {self.window_step!r}")
+        if self.tied not in TIED:
+            raise ValueError(f"lazy: tied must be one of {TIED}, got {self.tied!r}")
 
     def bind(self, ctx: EngineContext) -> "BoundLazyUpdate":
         return BoundLazyUpdate(self, ctx)
@@ -213,6 +233,8 @@ class BoundLazyUpdate(BoundAlgorithm):
         super().__init__(cfg, ctx)
         self.plan: Optional[LazyPlan] = None
         self._recorder: Optional[ForwardOrder] = ForwardOrder(input_side_layers(ctx.model))
+        self._route_hooks: list = []
+        self._aliases: dict[int, torch.Tensor] = {}     # tied use -> this iteration's alias
         self._set_plan(None)
         self.tau = 1
         self.n = 0
@@ -235,9 +257,66 @@ class BoundLazyUpdate(BoundAlgorithm):
         self.had = torch.zeros(len(lazy), dtype=params[0].dtype if params else torch.float32,
                                device=params[0].device if params else None)
         self.probe = plan.slices[-1] if plan is not None and plan.slices else []
+        self._set_split(plan.tied_uses if plan is not None and self.cfg.tied == "split" else [])
         if plan is not None and self._recorder is not None:
             self._recorder.close()
             self._recorder = None
+
+    def _set_split(self, uses: list[tuple[str, str, int]]) -> None:
+        """``tied="split"``: route each lazy layer's use of a tied weight through an alias."""
+        self._remove_routes()
+        params = self.ctx.params
+        self._uses = list(uses)
+        self.split_indices = list(dict.fromkeys(i for _, _, i in uses))
+        self.split_of = {i: k for k, i in enumerate(self.split_indices)}
+        self.split_acc = [torch.zeros_like(params[i]) for i in self.split_indices]
+        self.split_had = self.had.new_zeros(len(self.split_indices))
+        modules = dict(self.ctx.model.named_modules())
+        for use, (name, attr, i) in enumerate(uses):
+            m = modules[name]
+            self._route_hooks.append(m.register_forward_pre_hook(self._route(use, attr, i)))
+            self._route_hooks.append(m.register_forward_hook(self._restore(attr, i)))
+
+    def _route(self, use: int, attr: str, index: int):
+        def hook(module: nn.Module, _args) -> None:
+            alias = self._aliases.get(use)
+            if alias is None or alias.grad is not None:   # a gradient left: from a skipped step
+                p = self.ctx.params[index]
+                alias = p.detach().requires_grad_(p.requires_grad)   # same storage, own leaf
+                self._aliases[use] = alias
+            module._parameters[attr] = alias
+        return hook
+
+    def _restore(self, attr: str, index: int):
+        def hook(module: nn.Module, _args, _output) -> None:
+            module._parameters[attr] = self.ctx.params[index]
+        return hook
+
+    def _remove_routes(self) -> None:
+        for h in self._route_hooks:
+            h.remove()
+        self._route_hooks.clear()
+        modules = dict(self.ctx.model.named_modules())
+        for name, attr, i in getattr(self, "_uses", []):   # a forward that raised left an alias
+            modules[name]._parameters[attr] = self.ctx.params[i]
+        self._aliases.clear()
+
+    def captured_gradients(self) -> list[tuple[int, torch.Tensor]]:
+        return [(self._uses[use][2], a.grad) for use, a in self._aliases.items() if a.grad is not None]
+
+    def _take_split(self) -> list[Optional[torch.Tensor]]:
+        """This iteration's lazy-layer contribution to each split weight (None: no use ran)."""
+        out: list[Optional[torch.Tensor]] = [None] * len(self.split_indices)
+        for use, alias in self._aliases.items():
+            if alias.grad is not None:
+                k = self.split_of[self._uses[use][2]]
+                out[k] = alias.grad if out[k] is None else out[k] + alias.grad
+        self._aliases.clear()
+        return out
+
+    @property
+    def _active(self) -> bool:
+        return bool(self.lazy_indices or self.split_indices)
 
     def _fix_plan(self) -> None:
         """After step 1's forward: agree on the recorded order and fix the lazy set.
@@ -273,7 +352,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         params = self.ctx.params
         self.buckets.launch_remaining()
         sync_handle = fused = latest = None
-        if self.lazy_indices:
+        if self._active:
             latest = []
             for k, i in enumerate(self.lazy_indices):
                 g = params[i].grad
@@ -282,9 +361,14 @@ class BoundLazyUpdate(BoundAlgorithm):
                     self.had[k] = 1
                 latest.append(g)
                 params[i].grad = None           # the optimizer skips lazy layers between syncs
+            split_latest = self._take_split()
+            for k, g in enumerate(split_latest):
+                if g is not None:
+                    self.split_acc[k].add_(g)
+                    self.split_had[k] = 1
             self.n += 1
             if self.n >= self.tau:
-                sync_handle, fused = self._launch_sync(latest)
+                sync_handle, fused = self._launch_sync(latest, split_latest)
         for b in self.buckets.buckets:
             b.handle.wait()
             self.buckets.write_gradients(b)
@@ -303,7 +387,7 @@ class BoundLazyUpdate(BoundAlgorithm):
             # step 1 synchronized every layer: for the layers that now become lazy that was a
             # window of n = 1, where the interval rule holds exactly (A == g): tau 1 -> 2
             self._fix_plan()
-            if self.lazy_indices:
+            if self._active:
                 self.tau, self.syncs, self.synced = self._capped(self.tau + 1), self.syncs + 1, True
 
     def _scaled_window(self, window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -321,45 +405,71 @@ class BoundLazyUpdate(BoundAlgorithm):
             return []
         return self.lazy_indices if self.cfg.variant == "vote" else self.probe
 
-    def _launch_sync(self, latest: list[Optional[torch.Tensor]]):
-        """One fused all-reduce: every lazy accumulator, one had-a-gradient flag per lazy
-        parameter (none on any rank in the window: the optimizer skips it, as in ``ssgd``), and
-        the latest gradients the interval rule needs (:meth:`_latest_needed`)."""
+    def _split_latest_needed(self) -> list[int]:
+        """The same for the split weights' lazy parts (positions in ``split_indices``): the
+        vote counts them as one more layer; the probe uses them only when no parameter is
+        wholly lazy (a lazy set whose only layer is a tied input embedding)."""
+        if self.n == 1 or (self.cfg.variant == "probe" and self.probe):
+            return []
+        return list(range(len(self.split_indices)))
+
+    def _launch_sync(self, latest: list[Optional[torch.Tensor]], split_latest: list[Optional[torch.Tensor]]):
+        """One fused all-reduce: every lazy accumulator (wholly lazy parameters, then the split
+        weights' lazy parts), one had-a-gradient flag per accumulator (none on any rank in the
+        window: the optimizer skips it, as in ``ssgd``), and the latest gradients the interval
+        rule needs (:meth:`_latest_needed`, :meth:`_split_latest_needed`)."""
         params, pos = self.ctx.params, self.acc_of
         extra = [latest[pos[i]] if latest[pos[i]] is not None else torch.zeros_like(params[i])
                  for i in self._latest_needed()]
-        fused = flatten(self.acc + [self.had] + extra)
+        extra += [split_latest[k] if split_latest[k] is not None else torch.zeros_like(self.split_acc[k])
+                  for k in self._split_latest_needed()]
+        fused = flatten(self.acc + self.split_acc + [self.had, self.split_had] + extra)
         return self.ctx.comm.all_reduce(fused, op=dist.ReduceOp.AVG, async_op=True), fused
 
     def _finish_sync(self, fused: torch.Tensor) -> None:
-        params, pos, offset = self.ctx.params, self.acc_of, 0
-        accs = []
-        for i in self.lazy_indices:
-            n = params[i].numel()
-            accs.append(fused[offset:offset + n])
-            offset += n
-        flags = fused[offset:offset + len(self.lazy_indices)]
-        offset += len(self.lazy_indices)
+        params, pos = self.ctx.params, self.acc_of
+        cursor = [0]
+
+        def take(n: int) -> torch.Tensor:
+            piece = fused[cursor[0]:cursor[0] + n]
+            cursor[0] += n
+            return piece
+
+        accs = [take(params[i].numel()) for i in self.lazy_indices]
+        split_accs = [take(params[i].numel()) for i in self.split_indices]
+        flags = take(len(self.lazy_indices)).tolist()
+        split_flags = take(len(self.split_indices)).tolist()
         for k, i in enumerate(self.lazy_indices):   # the sum over the window of global means
-            params[i].grad = accs[k].view_as(params[i]).clone() if float(flags[k]) > 0 else None
-        latest, off = {}, offset
-        for i in self._latest_needed():
-            latest[i] = fused[off:off + params[i].numel()]
-            off += params[i].numel()
+            params[i].grad = accs[k].view_as(params[i]).clone() if flags[k] > 0 else None
+        for k, i in enumerate(self.split_indices):  # regular part (this step) + lazy part (window)
+            if split_flags[k] > 0:
+                part = split_accs[k].view_as(params[i])
+                params[i].grad = part.clone() if params[i].grad is None else params[i].grad.add_(part)
+        latest = {i: take(params[i].numel()) for i in self._latest_needed()}
+        split_latest = {k: take(self.split_acc[k].numel()) for k in self._split_latest_needed()}
+        split_all = list(range(len(self.split_indices)))
         if self.n == 1:
             tau = self.tau + 1                       # A == g: both tests hold with equality
         elif self.cfg.variant == "probe":
-            g = torch.cat([latest[i] for i in self.probe])
-            a = torch.cat([accs[pos[i]] for i in self.probe])
+            if self.probe:
+                g = torch.cat([latest[i] for i in self.probe])
+                a = torch.cat([accs[pos[i]] for i in self.probe])
+            else:
+                g = torch.cat([split_latest[k] for k in split_all])
+                a = torch.cat([split_accs[k] for k in split_all])
             tau, _, _ = interval_update(g, a, self.n, self.tau)
         else:
             gs = [torch.cat([latest[i] for i in layer]) for layer in self.plan.slices]
             accs_by_layer = [torch.cat([accs[pos[i]] for i in layer]) for layer in self.plan.slices]
+            if split_all:
+                gs.append(torch.cat([split_latest[k] for k in split_all]))
+                accs_by_layer.append(torch.cat([split_accs[k] for k in split_all]))
             tau, _ = vote_update(gs, accs_by_layer, self.tau)
         self.tau = self._capped(tau)
-        for a in self.acc:
+        for a in self.acc + self.split_acc:
             a.zero_()
         self.had.zero_()
+        self.split_had.zero_()
         self.n = 0
         self.syncs += 1
 
@@ -368,7 +478,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         """``tau``: the interval after this step (the length of the current window);
         ``lazy_synced``: whether the lazy layers synchronized on this step. Empty when the
         model has no lazy layers."""
-        if not self.lazy_indices:
+        if not self._active:
             return {}
         return {"tau": self.tau, "lazy_synced": self.synced}
 
@@ -383,6 +493,7 @@ class BoundLazyUpdate(BoundAlgorithm):
             "lazy_parameter_share": (sum(self.ctx.params[i].numel() for i in self.plan.indices)
                                      / max(1, sum(p.numel() for p in self.ctx.params))),
             "shared_regular_parameters": [names[i] for i in self.plan.shared_regular],
+            "tied_split_parameters": [names[i] for i in self.split_indices],
             "tau": self.tau, "lazy_syncs": self.syncs,
         }
 
@@ -393,6 +504,8 @@ class BoundLazyUpdate(BoundAlgorithm):
             "forward_order": list(self.plan.order) if self.plan is not None else None,
             "accumulators": {self.ctx.names[i]: a.clone() for i, a in zip(self.lazy_indices, self.acc)},
             "had_gradient": self.had.clone(),
+            "split_accumulators": {self.ctx.names[i]: a.clone() for i, a in zip(self.split_indices, self.split_acc)},
+            "split_had_gradient": self.split_had.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -411,8 +524,18 @@ class BoundLazyUpdate(BoundAlgorithm):
         for name, a in zip(names, self.acc):
             a.copy_(saved[name])
         self.had.copy_(state["had_gradient"])
+        saved_split = state.get("split_accumulators", {})
+        names = [self.ctx.names[i] for i in self.split_indices]
+        if sorted(saved_split) != sorted(names):
+            raise ValueError(f"lazy: checkpoint has tied-weight split accumulators for {sorted(saved_split)}, "
+                             f"this run splits {names} (tied={self.cfg.tied!r})")
+        for name, a in zip(names, self.split_acc):
+            a.copy_(saved_split[name])
+        if names:
+            self.split_had.copy_(state["split_had_gradient"])
 
     def close(self) -> None:
+        self._remove_routes()
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
