@@ -185,15 +185,14 @@ def _two_rank_suite(rank: int, world: int) -> dict:
                                     {"lazy_layers": layers, "variant": variant, "window_step": window_step})
         out[key] = params, [(t + 1, m["tau"]) for t, m in enumerate(metrics) if m["lazy_synced"]]
     for name, make, layers in (("pair", TiedPair, 3), ("lm", TiedLM, 2)):
-        lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1, "tied": "regular"},
-                      steps=TIED_STEPS)
+        lazy = _train(rank, world, make, "lazy", {"lazy_layers": layers, "tau_max": 1}, steps=TIED_STEPS)
         ssgd = _train(rank, world, make, "ssgd", {}, steps=TIED_STEPS)
         torch.manual_seed(0)
         out[name] = lazy[0], ssgd[0], params_of(make()), lazy[2]
     out["lm_adaptive"] = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2})[1]
-    split = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2}, steps=STEPS)
+    split = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 2, "tied": "split"}, steps=STEPS)
     out["lm_split"] = split[0], [(t + 1, m["tau"]) for t, m in enumerate(split[1]) if m["lazy_synced"]], split[2]
-    emb_only = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 1}, steps=STEPS)
+    emb_only = _train(rank, world, TiedLM, "lazy", {"lazy_layers": 1, "tied": "split"}, steps=STEPS)
     out["lm_split_emb_only"] = emb_only[0], [(t + 1, m["tau"]) for t, m in enumerate(emb_only[1]) if m["lazy_synced"]]
     out["head_first"] = _train(rank, world, HeadFirst, "lazy", {"lazy_layers": 2}, steps=3)[2]
     out["no_lazy"] = (_train(rank, world, SmallNet, "lazy", {"lazy_layers": 0}, steps=TIED_STEPS)[0],
@@ -294,7 +293,7 @@ def test_tied_weights_train_like_ssgd_at_tau_max_1(two_ranks, name):
         assert summary["lazy_layers"] == ["stem", "a", "b"] and summary["lazy_parameters"].count("a.weight") == 1
     else:                # the embedding tied to the (regular) output head: regular
         assert summary["shared_regular_parameters"] == ["emb.weight"] and summary["lazy_layers"] == ["mid"]
-        assert summary["tied_split_parameters"] == []          # tied="regular"
+        assert summary["tied_split_parameters"] == []          # the default, tied="regular"
 
 
 def simulate_split(world: int, lazy_layers: int):
@@ -359,8 +358,8 @@ def simulate_split(world: int, lazy_layers: int):
 
 @pytest.mark.parametrize("key, lazy_layers", [("lm_split", 2), ("lm_split_emb_only", 1)])
 def test_tied_embedding_split_matches_simulation(two_ranks, key, lazy_layers):
-    """The lookup's contribution to the tied weight is lazy, the head's regular (tied="split",
-    the default): against a slow simulation that takes the contributions apart by hand."""
+    """The lookup's contribution to the tied weight is lazy, the head's regular (tied="split"):
+    against a slow simulation that takes the contributions apart by hand."""
     reference, ref_history = simulate_split(2, lazy_layers)
     for per_rank in two_ranks:
         params, history = per_rank[key][:2]
@@ -520,7 +519,7 @@ def _nan_in_lookup(rank: int, world: int, policy: str) -> dict:
     torch.manual_seed(0)
     model = _PoisonedLookupLM()
     opt = make_optimizer("sgd", model)
-    engine = lowband.distribute(model, opt, "lazy", lazy_layers=2, nonfinite=policy)
+    engine = lowband.distribute(model, opt, "lazy", lazy_layers=2, tied="split", nonfinite=policy)
     out = {"applied": []}
     for step, (x, y) in enumerate(_lm_batches(rank, NAN_STEP + 2), start=1):
         model.poison = step == NAN_STEP and rank == 1

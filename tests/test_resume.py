@@ -29,7 +29,7 @@ VARIANTS = {
     "cpsgd/adaptive": ("cpsgd", {"warmup_steps": 1, "correction_period": 2, "adapt_period": True,
                                  "min_period": 1, "max_period": 3}),
     # the tied embedding's lookup part is accumulated apart (tied="split"); saved mid-window
-    "lazy/tied-split": ("lazy", {"lazy_layers": 2}),
+    "lazy/tied-split": ("lazy", {"lazy_layers": 2, "tied": "split"}),
 }
 #: variants trained on the tied-embedding language model of tests/test_lazy.py
 LM_VARIANTS = {"lazy/tied-split"}
