@@ -28,11 +28,11 @@ only when every module that owns it is lazy. One shared between a lazy layer and
 (an input embedding tied to the output head) is regular by default; with ``tied="split"``
 it is split by where its gradient comes from: while the lazy layer runs forward it reads a
 detached alias of the weight (same storage), so backward delivers the lazy layer's
-contribution to the alias and only the regular layers' contribution to ``.grad``. The regular part is then complete as soon
-as the output head's backward is done and is averaged every step with the other regular
-layers, overlapped with backward; the lazy part (the input embedding's, which arrives last)
-is accumulated and synchronized with the lazy layers every tau steps and added to the
-weight's gradient on sync steps.
+contribution to the alias and only the regular layers' contribution to ``.grad``. The
+regular part is then complete as soon as the output head's backward is done and is averaged
+every step with the other regular layers, overlapped with backward; the lazy part (the input
+embedding's, which arrives last) is accumulated and synchronized with the lazy layers every
+tau steps and added to the weight's gradient on sync steps.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 
 VARIANTS = ("probe", "vote")
-TIED = ("split", "regular")
+TIED = ("regular", "split")
 WINDOW_STEPS = ("sum", "scaled")
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 #: PCNN's NUM_LAZY_LAYERS: conv1 + stage 1 + the stage-2 projection of ResNet-20
@@ -193,8 +193,9 @@ class LazyUpdate(Algorithm):
             every step. ``"split"``: the lazy layer's gradient contribution is lazy, the regular
             layers' is averaged every step (module docstring). Measured on ``gpt`` (2 and 4
             workers, 200mbit and 1gbit, docs/lazy.md): ``split`` sent no fewer bytes (the
-            head's part still goes every step), shortened the exposed wait by 0-16% but not the
-            step, and ended 0.6-0.7% higher in validation loss, hence not the default.
+            head's part still goes every step), shortened the exposed wait at 200 Mbit/s by
+            5-15% but not the step, and ended 0.6-0.7% higher in validation loss, hence not
+            the default.
     """
 
     lazy_layers: Optional[int] = None
@@ -236,6 +237,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         self.plan: Optional[LazyPlan] = None
         self._recorder: Optional[ForwardOrder] = ForwardOrder(input_side_layers(ctx.model))
         self._route_hooks: list = []
+        self._uses: list[tuple[str, str, int]] = []      # tied="split": (module, attribute, index)
         self._aliases: dict[int, torch.Tensor] = {}     # tied use -> this iteration's alias
         self._set_plan(None)
         self.tau = 1
@@ -282,7 +284,10 @@ class BoundLazyUpdate(BoundAlgorithm):
     def _route(self, use: int, attr: str, index: int):
         def hook(module: nn.Module, _args) -> None:
             alias = self._aliases.get(use)
-            if alias is None or alias.grad is not None:   # a gradient left: from a skipped step
+            # a gradient already there is a skipped step's (nonfinite="skip" drops the step
+            # before step() takes it): start afresh. (A use that does not run in the step after
+            # a skipped one would carry that gradient over: not handled.)
+            if alias is None or alias.grad is not None:
                 p = self.ctx.params[index]
                 alias = p.detach().requires_grad_(p.requires_grad)   # same storage, own leaf
                 self._aliases[use] = alias
@@ -299,7 +304,7 @@ class BoundLazyUpdate(BoundAlgorithm):
             h.remove()
         self._route_hooks.clear()
         modules = dict(self.ctx.model.named_modules())
-        for name, attr, i in getattr(self, "_uses", []):   # a forward that raised left an alias
+        for name, attr, i in self._uses:   # a forward that raised left an alias
             modules[name]._parameters[attr] = self.ctx.params[i]
         self._aliases.clear()
 
