@@ -256,25 +256,31 @@ class BoundLazyUpdate(BoundAlgorithm):
             self.is_lazy[i] = True
         regular = [i for i in range(len(params)) if not self.is_lazy[i]]
         self.buckets = BucketSet(params, regular, int(self.cfg.bucket_mb * MIB), self._launch)
-        self.acc_of = {i: k for k, i in enumerate(lazy)}        # parameter index -> accumulator
-        self.acc = [torch.zeros_like(params[i]) for i in lazy]
-        self.had = torch.zeros(len(lazy), dtype=params[0].dtype if params else torch.float32,
+        uses = plan.tied_uses if plan is not None and self.cfg.tied == "split" else []
+        #: tied="split": the weights whose lazy layer's contribution is accumulated apart
+        self.split_indices = list(dict.fromkeys(i for _, _, i in uses))
+        #: one accumulator per entry: the wholly lazy parameters, then the split weights' parts
+        self.accumulated = self.lazy_indices + self.split_indices
+        self.acc_of = {i: k for k, i in enumerate(self.accumulated)}   # parameter index -> accumulator
+        self.acc = [torch.zeros_like(params[i]) for i in self.accumulated]
+        self.had = torch.zeros(len(self.accumulated), dtype=params[0].dtype if params else torch.float32,
                                device=params[0].device if params else None)
-        self.probe = plan.slices[-1] if plan is not None and plan.slices else []
-        self._set_split(plan.tied_uses if plan is not None and self.cfg.tied == "split" else [])
+        # the interval rule's inputs (accumulator positions): the probe is the deepest lazy
+        # layer, or the split parts when no parameter is wholly lazy; the vote counts the split
+        # parts as one more layer
+        slices = plan.slices if plan is not None else []
+        self.probe = [self.acc_of[i] for i in (slices[-1] if slices else self.split_indices)]
+        self.vote_layers = [[self.acc_of[i] for i in layer] for layer in slices] + \
+            ([[self.acc_of[i] for i in self.split_indices]] if self.split_indices else [])
+        self._set_routes(uses)
         if plan is not None and self._recorder is not None:
             self._recorder.close()
             self._recorder = None
 
-    def _set_split(self, uses: list[tuple[str, str, int]]) -> None:
+    def _set_routes(self, uses: list[tuple[str, str, int]]) -> None:
         """``tied="split"``: route each lazy layer's use of a tied weight through an alias."""
         self._remove_routes()
-        params = self.ctx.params
         self._uses = list(uses)
-        self.split_indices = list(dict.fromkeys(i for _, _, i in uses))
-        self.split_of = {i: k for k, i in enumerate(self.split_indices)}
-        self.split_acc = [torch.zeros_like(params[i]) for i in self.split_indices]
-        self.split_had = self.had.new_zeros(len(self.split_indices))
         modules = dict(self.ctx.model.named_modules())
         for use, (name, attr, i) in enumerate(uses):
             m = modules[name]
@@ -313,17 +319,13 @@ class BoundLazyUpdate(BoundAlgorithm):
 
     def _take_split(self) -> list[Optional[torch.Tensor]]:
         """This iteration's lazy-layer contribution to each split weight (None: no use ran)."""
-        out: list[Optional[torch.Tensor]] = [None] * len(self.split_indices)
+        taken: dict[int, torch.Tensor] = {}
         for use, alias in self._aliases.items():
             if alias.grad is not None:
-                k = self.split_of[self._uses[use][2]]
-                out[k] = alias.grad if out[k] is None else out[k] + alias.grad
+                i = self._uses[use][2]
+                taken[i] = alias.grad if i not in taken else taken[i] + alias.grad
         self._aliases.clear()
-        return out
-
-    @property
-    def _active(self) -> bool:
-        return bool(self.lazy_indices or self.split_indices)
+        return [taken.get(i) for i in self.split_indices]
 
     def _fix_plan(self) -> None:
         """After step 1's forward: agree on the recorded order and fix the lazy set.
@@ -359,23 +361,17 @@ class BoundLazyUpdate(BoundAlgorithm):
         params = self.ctx.params
         self.buckets.launch_remaining()
         sync_handle = fused = latest = None
-        if self._active:
-            latest = []
-            for k, i in enumerate(self.lazy_indices):
-                g = params[i].grad
+        if self.accumulated:
+            latest = [params[i].grad for i in self.lazy_indices] + self._take_split()
+            for i in self.lazy_indices:
+                params[i].grad = None           # the optimizer skips lazy layers between syncs
+            for k, g in enumerate(latest):
                 if g is not None:
                     self.acc[k].add_(g)
                     self.had[k] = 1
-                latest.append(g)
-                params[i].grad = None           # the optimizer skips lazy layers between syncs
-            split_latest = self._take_split()
-            for k, g in enumerate(split_latest):
-                if g is not None:
-                    self.split_acc[k].add_(g)
-                    self.split_had[k] = 1
             self.n += 1
             if self.n >= self.tau:
-                sync_handle, fused = self._launch_sync(latest, split_latest)
+                sync_handle, fused = self._launch_sync(latest)
         for b in self.buckets.buckets:
             b.handle.wait()
             self.buckets.write_gradients(b)
@@ -394,7 +390,7 @@ class BoundLazyUpdate(BoundAlgorithm):
             # step 1 synchronized every layer: for the layers that now become lazy that was a
             # window of n = 1, where the interval rule holds exactly (A == g): tau 1 -> 2
             self._fix_plan()
-            if self._active:
+            if self.accumulated:
                 self.tau, self.syncs, self.synced = self._capped(self.tau + 1), self.syncs + 1, True
 
     def _scaled_window(self, window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -406,77 +402,50 @@ class BoundLazyUpdate(BoundAlgorithm):
         return [(params[i], params[i].detach().clone()) for i in self.lazy_indices if params[i].grad is not None]
 
     def _latest_needed(self) -> list[int]:
-        """Parameter indices whose latest gradient the interval rule needs at this sync; none
-        at n = 1, where the latest gradient *is* the accumulated sum."""
+        """Accumulator positions whose latest gradient the interval rule needs at this sync;
+        none at n = 1, where the latest gradient *is* the accumulated sum."""
         if self.n == 1:
             return []
-        return self.lazy_indices if self.cfg.variant == "vote" else self.probe
+        return list(range(len(self.accumulated))) if self.cfg.variant == "vote" else self.probe
 
-    def _split_latest_needed(self) -> list[int]:
-        """The same for the split weights' lazy parts (positions in ``split_indices``): the
-        vote counts them as one more layer; the probe uses them only when no parameter is
-        wholly lazy (a lazy set whose only layer is a tied input embedding)."""
-        if self.n == 1 or (self.cfg.variant == "probe" and self.probe):
-            return []
-        return list(range(len(self.split_indices)))
-
-    def _launch_sync(self, latest: list[Optional[torch.Tensor]], split_latest: list[Optional[torch.Tensor]]):
-        """One fused all-reduce: every lazy accumulator (wholly lazy parameters, then the split
-        weights' lazy parts), one had-a-gradient flag per accumulator (none on any rank in the
-        window: the optimizer skips it, as in ``ssgd``), and the latest gradients the interval
-        rule needs (:meth:`_latest_needed`, :meth:`_split_latest_needed`)."""
-        params, pos = self.ctx.params, self.acc_of
-        extra = [latest[pos[i]] if latest[pos[i]] is not None else torch.zeros_like(params[i])
-                 for i in self._latest_needed()]
-        extra += [split_latest[k] if split_latest[k] is not None else torch.zeros_like(self.split_acc[k])
-                  for k in self._split_latest_needed()]
-        fused = flatten(self.acc + self.split_acc + [self.had, self.split_had] + extra)
+    def _launch_sync(self, latest: list[Optional[torch.Tensor]]):
+        """One fused all-reduce: every accumulator, one had-a-gradient flag per accumulator (none
+        on any rank in the window: the optimizer skips it, as in ``ssgd``), and the latest
+        gradients the interval rule needs (:meth:`_latest_needed`)."""
+        extra = [latest[k] if latest[k] is not None else torch.zeros_like(self.acc[k]) for k in self._latest_needed()]
+        fused = flatten(self.acc + [self.had] + extra)
         return self.ctx.comm.all_reduce(fused, op=dist.ReduceOp.AVG, async_op=True), fused
 
     def _finish_sync(self, fused: torch.Tensor) -> None:
-        params, pos = self.ctx.params, self.acc_of
-        cursor = [0]
+        params, cursor = self.ctx.params, [0]
 
         def take(n: int) -> torch.Tensor:
             piece = fused[cursor[0]:cursor[0] + n]
             cursor[0] += n
             return piece
 
-        accs = [take(params[i].numel()) for i in self.lazy_indices]
-        split_accs = [take(params[i].numel()) for i in self.split_indices]
-        flags = take(len(self.lazy_indices)).tolist()
-        split_flags = take(len(self.split_indices)).tolist()
-        for k, i in enumerate(self.lazy_indices):   # the sum over the window of global means
-            params[i].grad = accs[k].view_as(params[i]).clone() if flags[k] > 0 else None
-        for k, i in enumerate(self.split_indices):  # regular part (this step) + lazy part (window)
-            if split_flags[k] > 0:
-                part = split_accs[k].view_as(params[i])
+        accs = [take(a.numel()) for a in self.acc]          # the sums over the window of global means
+        flags = take(len(self.acc)).tolist()
+        wholly = len(self.lazy_indices)
+        for k, i in enumerate(self.accumulated):
+            part = accs[k].view_as(params[i])
+            if k < wholly:
+                params[i].grad = part.clone() if flags[k] > 0 else None
+            elif flags[k] > 0:        # a split weight: this step's regular part + the window's lazy part
                 params[i].grad = part.clone() if params[i].grad is None else params[i].grad.add_(part)
-        latest = {i: take(params[i].numel()) for i in self._latest_needed()}
-        split_latest = {k: take(self.split_acc[k].numel()) for k in self._split_latest_needed()}
-        split_all = list(range(len(self.split_indices)))
+        latest = {k: take(self.acc[k].numel()) for k in self._latest_needed()}
         if self.n == 1:
             tau = self.tau + 1                       # A == g: both tests hold with equality
         elif self.cfg.variant == "probe":
-            if self.probe:
-                g = torch.cat([latest[i] for i in self.probe])
-                a = torch.cat([accs[pos[i]] for i in self.probe])
-            else:
-                g = torch.cat([split_latest[k] for k in split_all])
-                a = torch.cat([split_accs[k] for k in split_all])
-            tau, _, _ = interval_update(g, a, self.n, self.tau)
+            tau, _, _ = interval_update(torch.cat([latest[k] for k in self.probe]),
+                                        torch.cat([accs[k] for k in self.probe]), self.n, self.tau)
         else:
-            gs = [torch.cat([latest[i] for i in layer]) for layer in self.plan.slices]
-            accs_by_layer = [torch.cat([accs[pos[i]] for i in layer]) for layer in self.plan.slices]
-            if split_all:
-                gs.append(torch.cat([split_latest[k] for k in split_all]))
-                accs_by_layer.append(torch.cat([split_accs[k] for k in split_all]))
-            tau, _ = vote_update(gs, accs_by_layer, self.tau)
+            tau, _ = vote_update([torch.cat([latest[k] for k in layer]) for layer in self.vote_layers],
+                                 [torch.cat([accs[k] for k in layer]) for layer in self.vote_layers], self.tau)
         self.tau = self._capped(tau)
-        for a in self.acc + self.split_acc:
+        for a in self.acc:
             a.zero_()
         self.had.zero_()
-        self.split_had.zero_()
         self.n = 0
         self.syncs += 1
 
@@ -485,7 +454,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         """``tau``: the interval after this step (the length of the current window);
         ``lazy_synced``: whether the lazy layers synchronized on this step. Empty when the
         model has no lazy layers."""
-        if not self._active:
+        if not self.accumulated:
             return {}
         return {"tau": self.tau, "lazy_synced": self.synced}
 
@@ -509,10 +478,8 @@ class BoundLazyUpdate(BoundAlgorithm):
         return {
             "tau": self.tau, "n": self.n, "syncs": self.syncs, "t": self.t,
             "forward_order": list(self.plan.order) if self.plan is not None else None,
-            "accumulators": {self.ctx.names[i]: a.clone() for i, a in zip(self.lazy_indices, self.acc)},
+            "accumulators": {self.ctx.names[i]: a.clone() for i, a in zip(self.accumulated, self.acc)},
             "had_gradient": self.had.clone(),
-            "split_accumulators": {self.ctx.names[i]: a.clone() for i, a in zip(self.split_indices, self.split_acc)},
-            "split_had_gradient": self.split_had.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -525,21 +492,13 @@ class BoundLazyUpdate(BoundAlgorithm):
                 raise ValueError(f"lazy: checkpoint's lazy layers {plan.layers} differ from this run's {self.plan.layers}")
         self.tau, self.n, self.syncs, self.t = int(state["tau"]), int(state["n"]), int(state["syncs"]), int(state["t"])
         saved = state["accumulators"]
-        names = [self.ctx.names[i] for i in self.lazy_indices]
+        names = [self.ctx.names[i] for i in self.accumulated]
         if sorted(saved) != sorted(names):
-            raise ValueError(f"lazy: checkpoint has accumulators for {sorted(saved)}, this model's lazy layers are {names}")
+            raise ValueError(f"lazy: checkpoint has accumulators for {sorted(saved)}, this run accumulates {names} "
+                             f"(lazy parameters, then tied weights split by use: tied={self.cfg.tied!r})")
         for name, a in zip(names, self.acc):
             a.copy_(saved[name])
         self.had.copy_(state["had_gradient"])
-        saved_split = state.get("split_accumulators", {})
-        names = [self.ctx.names[i] for i in self.split_indices]
-        if sorted(saved_split) != sorted(names):
-            raise ValueError(f"lazy: checkpoint has tied-weight split accumulators for {sorted(saved_split)}, "
-                             f"this run splits {names} (tied={self.cfg.tied!r})")
-        for name, a in zip(names, self.split_acc):
-            a.copy_(saved_split[name])
-        if names:
-            self.split_had.copy_(state["split_had_gradient"])
 
     def close(self) -> None:
         self._remove_routes()

@@ -148,6 +148,23 @@ void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nru
 }
 
 /* ---------------------------------------------------------------- 2-bit, scale-aware */
+/* the block's threshold from its canonical sum of squares: t = max(a*sqrt(sq / L), FLT_MIN) */
+static inline float rel_threshold(float sq, int64_t L, float a) {
+    float t = (float)sqrt((double)(sq / (float)L)) * a;   /* correctly rounded sqrt */
+    return t < FLT_MIN ? FLT_MIN : t;                       /* NaN stays NaN */
+}
+
+/* residual and code of each of L elements in one pass: res = r - s*v, s in {+1, 0, -1} */
+static inline void rel_codes(const float *rv, int64_t L, float t, float v, float *res, uint8_t *codes) {
+    float mt = -t;
+    for (int64_t j = 0; j < L; ++j) {
+        float r = rv[j];
+        int32_t p = r >= t, n = r <= mt;
+        res[j] = r - (float)(p - n) * v;
+        codes[j] = (uint8_t)(p * 3 + n * 2);
+    }
+}
+
 /* rel_block (below) for a full block of ROW real elements, none skipped: the same arithmetic
  * in the same order, with each canonical fold's first level (y[j] = x[j] + x[j + 128]) done
  * where its terms are produced, so the squares and the fired magnitudes are never stored. */
@@ -171,10 +188,7 @@ static float rel_block_full(const float *gp, float *ep, float a, uint32_t *words
             tmp[j] = s0 + s1;
         }
     }
-    float sq = fold_from(tmp, 64);
-    float t = (float)sqrt((double)(sq / (float)ROW)) * a;   /* correctly rounded sqrt */
-    if (t < FLT_MIN) t = FLT_MIN;       /* NaN stays NaN */
-    float mt = -t;
+    float t = rel_threshold(fold_from(tmp, 64), ROW, a);
     int32_t nf = 0;
     for (int j = 0; j < H; ++j) {
         float m0 = fabsf(rv[j]), m1 = fabsf(rv[j + H]);
@@ -185,13 +199,7 @@ static float rel_block_full(const float *gp, float *ep, float a, uint32_t *words
     }
     float sa = fold_from(tmp, 64);
     float v = nf > 0 ? sa / (float)nf : t;
-    float *res = ep ? ep : tmp;
-    for (int j = 0; j < ROW; ++j) {      /* residual and code in one pass */
-        float r = rv[j];
-        int32_t p = r >= t, n = r <= mt;
-        res[j] = r - (float)(p - n) * v;
-        codes[j] = (uint8_t)(p * 3 + n * 2);
-    }
+    rel_codes(rv, ROW, t, v, ep ? ep : tmp, codes);
     pack_codes(codes, ROW, words);
     return v;
 }
@@ -219,10 +227,7 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
     } else {
         for (int64_t j = 0; j < L; ++j) { float r = chunk_r(g, e, src, len, lo, hi, b0 + j); rv[j] = r; tmp[j] = r * r; }
     }
-    float sq = canon_sum_inplace(tmp, L);
-    float t = (float)sqrt((double)(sq / (float)L)) * a;   /* correctly rounded sqrt */
-    if (t < FLT_MIN) t = FLT_MIN;       /* NaN stays NaN */
-    float mt = -t;
+    float t = rel_threshold(canon_sum_inplace(tmp, L), L, a);
     int32_t nf = 0;
     for (int64_t j = 0; j < L; ++j) {
         float m = fabsf(rv[j]);
@@ -233,13 +238,7 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
     float sa = canon_sum_inplace(tmp, L);
     float v = nf > 0 ? sa / (float)nf : t;
     float *ep = e ? e + src + b0 : NULL;
-    float *res = (simple && e) ? ep : tmp;
-    for (int64_t j = 0; j < L; ++j) {      /* residual and code in one pass */
-        float r = rv[j];
-        int32_t p = r >= t, n = r <= mt;
-        res[j] = r - (float)(p - n) * v;
-        codes[j] = (uint8_t)(p * 3 + n * 2);
-    }
+    rel_codes(rv, L, t, v, (simple && e) ? ep : tmp, codes);
     if (e && !simple) {
         for (int64_t j = 0; j < L; ++j) {
             int64_t jj = b0 + j;
