@@ -3,9 +3,11 @@
 Wraps (timing only, behaviour unchanged) the pieces of a step that lowband's algorithms run:
 the bucket codec's encode and decode, the reducer's job on the background thread and its
 all-gather, the handle waits, the guard's exchange, gradient copies into the buckets, the
-optimizer step, CP-SGD's fused SGD pass and in-flight result. Prints, per rank, medians per
-step (ms) after ``--skip`` steps; ``mark_sum`` is the total per step of the bucket copies (with
-the launch of the bucket they complete), wall time on the training thread.
+optimizer step, CP-SGD's fused SGD pass and in-flight result. Prints, per rank, the median over
+steps (after ``--skip``) of each piece's total wall time in that step, in ms (``mark``: the
+bucket copies with the launches they trigger; ``guard_hook``: the guard's part of the gradient
+hook, which contains ``mark``; background-thread pieces are charged to the step the training
+thread is in).
 
 Every rank trains ``cnn`` on synthetic Fashion-MNIST-shaped data with one intra-op thread.
 
@@ -37,7 +39,15 @@ TIMED = [
     ("lowband.algorithms.buckets", "BucketSet", "write_gradients", "write_gradients"),
     ("lowband.algorithms.cpsgd", "_InFlight", "result", "in_flight_result"),
     ("lowband.algorithms.local_update", "FusedSGDStep", "step", "fused_sgd"),
+    ("lowband.guard", "GradientGuard", "on_gradient", "guard_hook"),
+    ("lowband.guard", None, "all_finite", "finite_test"),
+    ("lowband.guard", "GradientGuard", "start", "guard_start"),
+    ("lowband.algorithms.cpsgd", "BoundCPSGD", "_launch", "launch"),
 ]
+
+
+#: the step being timed (the training loop advances it); every timed call is charged to it
+CURRENT_STEP = [0]
 
 
 def _wrap(owner, name: str, key: str, marks: dict) -> None:
@@ -49,7 +59,9 @@ def _wrap(owner, name: str, key: str, marks: dict) -> None:
         try:
             return f(*a, **k)
         finally:
-            marks.setdefault(key, []).append(time.perf_counter() - t0)
+            per_step = marks.setdefault(key, {})
+            step = CURRENT_STEP[0]
+            per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t0
     setattr(owner, name, timed)
 
 
@@ -64,7 +76,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     from lowband.perf.plan import parse_algorithm
     marks: dict[str, list[float]] = {}
     for module, cls, attr, key in TIMED:
-        _wrap(getattr(importlib.import_module(module), cls), attr, key, marks)
+        owner = importlib.import_module(module)
+        _wrap(owner if cls is None else getattr(owner, cls), attr, key, marks)
     torch.manual_seed(0)
     model = make_model("cnn")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
@@ -76,6 +89,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     for i, (x, y) in enumerate(data.epoch(0)):
         if i >= args.steps:
             break
+        CURRENT_STEP[0] = i
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(engine.module(x), y)
@@ -93,10 +107,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     out = {"step": med([r[4] for r in rows]), "forward": med([r[0] for r in rows]),
            "backward": med([r[1] for r in rows]), "backward_cpu": med([r[2] for r in rows]),
            "engine.step": med([r[3] for r in rows])}
-    for key, xs in marks.items():
-        out[key] = med(xs)
-    n = len(marks.get("mark", [])) // max(1, len(rows))
-    out["mark_sum"] = 1e3 * sum(marks.get("mark", [])[skip * n:]) / max(1, len(rows) - skip)
+    for key, per_step in marks.items():   # a step without the call counts 0 (e.g. every k-th)
+        out[key] = med([per_step.get(i, 0.0) for i in range(len(rows))])
     queue.put((rank, out))
     dist.destroy_process_group()
 

@@ -134,36 +134,43 @@ def test_nonfinite_skip_equals_a_run_without_that_step(nan_results):
 PIPE_WARMUP = 2       # cpsgd's warm-up: steps 1-2 synchronous, then pipelined (deferred check)
 
 
-def _pipelined_nan_run(rank: int, world: int, bad_step: int, steps: int):
+def _pipelined_nan_run(rank: int, world: int, bad_step: int, steps: int, collective: str = "auto",
+                       bad_param: str = "3.bias"):
     """cpsgd past its warm-up with rank BAD_RANK's gradient NaN at ``bad_step``: the deferred
     finiteness decision must still stop every rank, naming that step, before its average
-    touches the global weights W."""
+    touches the global weights W. Past the warm-up the check rides on the buckets' flag
+    bytes: the guard's own exchange must not run there."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    engine = lowband.distribute(model, opt, "cpsgd", warmup_steps=PIPE_WARMUP, bucket_mb=0.01)
+    engine = lowband.distribute(model, opt, "cpsgd", warmup_steps=PIPE_WARMUP, bucket_mb=0.01, collective=collective)
+    bad = dict(model.named_parameters())[bad_param]
     it = ShardedBatches(make_synthetic(512, seed=1), BATCH, rank, world, seed=3).epoch(0)
-    deferred = []
+    deferred, guard_calls = [], []
     try:
         for step in range(1, steps + 1):
             x, y = next(it)
             opt.zero_grad()
             loss = F.cross_entropy(engine.module(x), y)
             if step == bad_step and rank == BAD_RANK:
-                loss = loss + float("nan") * model[3].bias.sum()
+                loss = loss + float("nan") * bad.sum()
             loss.backward()
             engine.step()
             deferred.append(engine.guard.pending)
+            guard_calls.append(engine.guard.comm.stats.calls)
         engine.synchronize()
     except lowband.NonFiniteGradientError as e:
         W = engine.bound.W
         return {"step": e.step, "bad": e.bad, "raised_at": len(deferred) + 1, "deferred": deferred,
-                "global_finite": all(bool(torch.isfinite(w).all()) for w in W)}
+                "global_finite": all(bool(torch.isfinite(w).all()) for w in W),
+                "carried": engine.bound.checks_finite, "guard_calls": guard_calls}
     return {"no error": True}
 
 
 def _pipelined_nan_runs(rank: int, world: int) -> dict:
     return {"middle": _pipelined_nan_run(rank, world, bad_step=5, steps=8),
-            "last": _pipelined_nan_run(rank, world, bad_step=8, steps=8)}
+            "last": _pipelined_nan_run(rank, world, bad_step=8, steps=8),
+            "weight, two-stage": _pipelined_nan_run(rank, world, bad_step=5, steps=8, collective="two-stage",
+                                                    bad_param="1.weight")}
 
 
 def test_nonfinite_raise_under_a_pipeline_is_decided_one_step_late_on_every_rank():
@@ -175,3 +182,8 @@ def test_nonfinite_raise_under_a_pipeline_is_decided_one_step_late_on_every_rank
         assert middle["global_finite"]                     # W never received the NaN average
         assert last["step"] == 8 and last["raised_at"] == 9   # the last step: at synchronize()
         assert last["global_finite"]
+        weight = n["weight, two-stage"]
+        assert weight["step"] == 5 and weight["bad"] == {BAD_RANK: "1.weight"} and weight["raised_at"] == 6
+        assert weight["global_finite"]
+        for run in (middle, last, weight):   # carried by the buckets: the guard exchanged only in the warm-up
+            assert run["carried"] and run["guard_calls"][PIPE_WARMUP - 1:] == [PIPE_WARMUP] * len(run["guard_calls"][PIPE_WARMUP - 1:])

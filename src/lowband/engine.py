@@ -82,6 +82,8 @@ class Engine:
         self.bound = algorithm.bind(self.ctx)
         bound = self.bound
         self.module = bound.wrap_module(model)
+        if self.guard.policy == "raise":
+            self.guard.carried_by = self._finiteness_carried
         self._hooks = []
         self._forward = bound.on_gradient_ready if bound.uses_gradient_hooks else None
         if bound.uses_gradient_hooks or self.guard.active:
@@ -99,6 +101,10 @@ class Engine:
             def hook(_param: torch.Tensor) -> None:
                 guard.on_gradient(index, forward)
         return hook
+
+    def _finiteness_carried(self) -> bool:
+        """This iteration's NaN/Inf check travels in the algorithm's messages (policy "raise")."""
+        return self.bound.gradients_applied_late() and self.bound.carries_finiteness()
 
     def agreement_fields(self, nonfinite: str,
                          max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> dict[str, Any]:
@@ -146,10 +152,14 @@ class Engine:
         callers then leave their LR scheduler alone, as if the step had not happened."""
         if self.guard.active:
             step = self.comm.stats.steps + 1
-            for index, gradient in self.bound.captured_gradients():
-                self.guard.record(index, gradient)
-            with self._waiting():
-                if self.guard.policy == "raise" and self.bound.gradients_applied_late():
+            carried = self.guard.policy == "raise" and self._finiteness_carried()
+            if not carried:
+                for index, gradient in self.bound.captured_gradients():
+                    self.guard.record(index, gradient)
+            with self._waiting(not self.guard.pending_carried):
+                if carried:       # settles the previous step's deferred decision first, as start()
+                    self.guard.start_carried(step, self.bound.finiteness_verdict)
+                elif self.guard.policy == "raise" and self.bound.gradients_applied_late():
                     self.guard.start(step)   # settles the previous step's deferred decision first
                 elif not self.guard.check(step):
                     self.comm.stats.steps += 1
@@ -256,17 +266,20 @@ class Engine:
     def _settle_guard(self) -> None:
         """Finish a deferred finiteness decision (raises on every rank for a bad step)."""
         if self.guard.pending:
-            with self._waiting():
+            with self._waiting(not self.guard.pending_carried):
                 self.guard.settle()
 
     @contextmanager
-    def _waiting(self) -> Iterator[None]:
-        """Charge the time spent inside to ``stats.comm_wait_s`` (exposed communication)."""
+    def _waiting(self, charge: bool = True) -> Iterator[None]:
+        """Charge the time spent inside to ``stats.comm_wait_s`` (exposed communication).
+        ``charge=False`` where a decision carried by the algorithm is settled: the algorithm's
+        own handles charge that wait, and it must not count twice."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.comm.stats.comm_wait_s += time.perf_counter() - t0
+            if charge:
+                self.comm.stats.comm_wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
         for h in self._hooks:

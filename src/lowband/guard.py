@@ -32,6 +32,14 @@ weights. Waiting at once would queue the exchange behind the step's gradient byt
 link and make the pipeline synchronous again (measured: docs/reliability.md). The time spent
 waiting for an exchange is exposed communication and counted as such in ``comm_wait_s``.
 
+An algorithm whose messages already reach every rank from every rank can carry the check
+itself (``BoundAlgorithm.carries_finiteness``: CP-SGD's pipelined buckets mark each
+parameter's non-finite gradient in their flag bytes). For such a step the hook does not test
+the gradients and no exchange runs; the deferred decision is settled at the same points, from
+the per-rank first bad index the algorithm reports (``finiteness_verdict``). The message, the
+error and the agreement are those of the exchange; the guard's all-reduce and its per-parameter
+tests are gone from the step (measured: docs/results.md, tenth session).
+
 The exchange runs on a dedicated process group: under ``"raise"`` the algorithm's own
 collectives may still be in flight, and their number per rank can differ at this point
 (a bucket with a rank-specific unused parameter launches only in ``algorithm.step()``), so
@@ -131,7 +139,10 @@ class GradientGuard:
         self._finite: list[tuple[int, torch.Tensor]] = []
         self._ready: list[int] = []
         self.comm: Optional[Communicator] = None
-        self._pending = None   # (step, tensor, work) of a deferred decision (start/settle)
+        self._pending = None   # (step, tensor, work, verdict) of a deferred decision (start/settle)
+        #: whether the gradients now being produced are checked by the algorithm (set by the
+        #: engine: a callable asked in the hook, ``carries_finiteness`` under "raise")
+        self.carried_by: Optional[Callable[[], bool]] = None
         if policy != "off" and dist.get_world_size(group) > 1:
             # every rank creates it in the same order (inside distribute), as new_group requires
             ranks = dist.get_process_group_ranks(group) if group is not None else None
@@ -147,7 +158,7 @@ class GradientGuard:
     def on_gradient(self, index: int, forward: Optional[Callable[[int], None]]) -> None:
         """Hook body: record whether this gradient is finite; forward it now unless deferring."""
         grad = self.params[index].grad
-        if grad is not None:
+        if grad is not None and not (self.carried_by is not None and self.carried_by()):
             self._finite.append((index, all_finite(grad)))
         if self.deferring:
             self._ready.append(index)
@@ -183,15 +194,28 @@ class GradientGuard:
             raise RuntimeError(f"a deferred finiteness decision needs policy 'raise', not {self.policy!r}")
         self._refuse_if_failed()
         self.settle()
-        self._pending = self._exchange(step, async_op=True)
+        self._pending = self._exchange(step, async_op=True) + (None,)
+
+    def start_carried(self, step: int, verdict: Callable[[], Sequence[int]]) -> None:
+        """:meth:`start` for a step whose finiteness travels in the algorithm's own messages:
+        no exchange; :meth:`settle` calls ``verdict()`` (per rank, the index of its first
+        parameter with a non-finite gradient, ``ALL_FINITE`` if none; the same on every rank)."""
+        if self.policy != "raise":
+            raise RuntimeError(f"a deferred finiteness decision needs policy 'raise', not {self.policy!r}")
+        self._refuse_if_failed()
+        self.settle()
+        self._finite.clear()
+        self._pending = (step, None, None, verdict)
 
     def settle(self) -> None:
         """Finish the exchange :meth:`start` began (no-op if none): raise on every rank if
         some rank's gradient of that step was non-finite."""
         if self._pending is None:
             return
-        step, everyone, work = self._pending
+        step, everyone, work, verdict = self._pending
         self._pending = None
+        if verdict is not None:
+            everyone = torch.tensor(list(verdict()), dtype=torch.int64)
         if work is not None:
             work.wait()
         self._decide(step, everyone)
@@ -199,6 +223,11 @@ class GradientGuard:
     @property
     def pending(self) -> bool:
         return self._pending is not None
+
+    @property
+    def pending_carried(self) -> bool:
+        """The pending decision is one the algorithm carries (no exchange of the guard's own)."""
+        return self._pending is not None and self._pending[3] is not None
 
     def _refuse_if_failed(self) -> None:
         if self.failed is not None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .collectives.communicator import Communicator
 from .collectives.compressed import Plan, make_plan, resolve_collective
 from .compressors import Compressor, ErrorFeedback
+from .guard import all_finite
 
 Segments = Sequence[tuple[str, int]]
 
@@ -48,19 +49,27 @@ def private_group(comm: Communicator) -> Optional[dist.ProcessGroup]:
 class Handle:
     """An in-flight job of the pipeline; ``wait()`` returns its tensor. Time spent in
     ``wait()`` is charged to the exposed-communication clock. After ``wait()``, ``present``
-    is a bool tensor per segment: whether any rank produced that segment's gradient."""
+    is a bool tensor per segment: whether any rank produced that segment's gradient, and
+    ``nonfinite`` (for a bucket started with ``check_finite``) a ``[world, segments]`` bool
+    array of the segments each rank found non-finite, or None when none did."""
 
     def __init__(self, future: Future, comm: Communicator):
         self._future = future
         self._comm = comm
         self.present: Optional[torch.Tensor] = None
+        self.nonfinite: Optional[np.ndarray] = None
+
+    def _unpack(self) -> torch.Tensor:
+        result, self.present, *rest = self._future.result()
+        self.nonfinite = rest[0] if rest else None
+        return result
 
     def wait(self) -> torch.Tensor:
         t0 = time.perf_counter()
-        result, present = self._future.result()
-        self._comm.stats.comm_wait_s += time.perf_counter() - t0
-        self.present = present
-        return result
+        try:
+            return self._unpack()
+        finally:
+            self._comm.stats.comm_wait_s += time.perf_counter() - t0
 
     def done(self) -> bool:
         return self._future.done()
@@ -75,9 +84,7 @@ class Handle:
 
     def result(self) -> torch.Tensor:
         """The tensor (blocking without charging the wait clock: for callbacks)."""
-        result, present = self._future.result()
-        self.present = present
-        return result
+        return self._unpack()
 
 
 #: the contract's name for a handle
@@ -181,6 +188,18 @@ def _flags(present: Optional[torch.Tensor], count: int) -> Optional[np.ndarray]:
     return flags
 
 
+def nonfinite_segments(g: torch.Tensor, segments: Segments) -> Optional[np.ndarray]:
+    """Bool per segment of flat ``g``: it holds a NaN or Inf; None when all are finite (one
+    sum of the whole bucket proves it; only a non-finite sum pays for the per-segment test)."""
+    if bool(all_finite(g)):
+        return None
+    bad, off = np.zeros(len(segments), dtype=bool), 0
+    for k, (_, n) in enumerate(segments):
+        bad[k] = not bool(all_finite(g[off:off + n]))
+        off += n
+    return bad
+
+
 class CompressedReducer:
     """Compressed averaging of flat fp32 buckets on an ordered pipeline (module docstring).
 
@@ -258,7 +277,7 @@ class CompressedReducer:
     def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
               exact: Optional[tuple[int, int]] = None, flush_exact: bool = False,
               present: Optional[torch.Tensor] = None, exact_segments: Optional[Sequence[bool]] = None,
-              copy: bool = True) -> Handle:
+              copy: bool = True, check_finite: bool = False) -> Handle:
         """Average flat fp32 ``tensor`` through the codec with error feedback, on the queue.
         ``exact=(lo, hi)``: those elements are averaged exactly in fp32 instead (codes 0,
         residual untouched unless ``flush_exact``: then it is added and zeroed).
@@ -268,7 +287,10 @@ class CompressedReducer:
         fp32 all-reduce cost (``Plan.inline_exact``), else in an fp32 all-reduce beside it.
         ``present``: bool per segment, whether this rank produced it (absent segments: zeros,
         residual untouched). The tensor is copied before ``start`` returns unless ``copy`` is
-        False: then the caller leaves it untouched until the handle is waited for."""
+        False: then the caller leaves it untouched until the handle is waited for.
+        ``check_finite``: test each segment for NaN/Inf on the queue and mark the bad ones in
+        the message (no extra bytes); the handle's ``nonfinite`` then says, per rank, which
+        segments were bad (the engine's finiteness decision rides on the bucket)."""
         segs = _check_segments(tensor, name, segments)
         lo, hi = (0, 0) if exact is None else (int(exact[0]), int(exact[1]))
         if not (0 <= lo <= hi <= tensor.numel()):
@@ -283,10 +305,11 @@ class CompressedReducer:
         flat = tensor.detach().reshape(-1)
         snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
         return self.pipeline.submit(self._run, name, segs, snapshot, _flags(present, len(segs)), lo, hi, flush_exact,
-                                    fixed)
+                                    fixed, check_finite)
 
-    def _run(self, name, segs, g, flags, lo, hi, flush_exact, fixed):
+    def _run(self, name, segs, g, flags, lo, hi, flush_exact, fixed, check_finite=False):
         b = self._bucket(name, segs, g.device, fixed)
+        bad = nonfinite_segments(g, segs) if check_finite else None
         comm = self.pipeline.comm
         exact_work, ex = None, None
         if hi > lo:
@@ -299,7 +322,7 @@ class CompressedReducer:
             exact_work = comm.all_reduce(ex, op=dist.ReduceOp.AVG, async_op=True)
         parts = ([] if b.fixed_index is None else [g.index_select(0, b.fixed_index)]) + ([ex] if inline else [])
         raw = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
-        out, present, mean = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi, raw, b.fixed)
+        out, present, mean, nonfinite = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi, raw, b.fixed, bad)
         nf = 0
         if b.fixed_index is not None:
             nf = b.fixed_index.numel()
@@ -309,7 +332,7 @@ class CompressedReducer:
         if exact_work is not None:
             exact_work.wait()
             out[lo:hi] = ex
-        return out, torch.from_numpy(present)
+        return out, torch.from_numpy(present), nonfinite
 
     def start_full_precision(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
                              flush_residuals: bool = False, present: Optional[torch.Tensor] = None) -> Handle:

@@ -120,6 +120,23 @@ class BoundAlgorithm(ABC):
         Asked once per iteration, before ``step()``."""
         return False
 
+    def carries_finiteness(self) -> bool:
+        """True if this iteration's gradients are checked for NaN/Inf by the algorithm itself,
+        inside its own messages, so that the engine's guard needs neither its per-gradient test
+        nor its exchange (:mod:`lowband.guard`). Only asked when the guard's policy is "raise"
+        and :meth:`gradients_applied_late` holds; then every gradient of the iteration,
+        captured ones included, must be checked, and :meth:`finiteness_verdict` answers for
+        it. Asked during backward (in the gradient hook) and before ``step()``; it must give
+        the same answer throughout one iteration."""
+        return False
+
+    def finiteness_verdict(self) -> "list[int]":
+        """For the last iteration that :meth:`carries_finiteness`: per rank, the index (in
+        ``ctx.params``) of its first parameter whose gradient was not finite, -1 for none;
+        identical on every rank (it may wait for that iteration's communication). Called
+        before the next ``step()``, or before ``drain``, ``state_dict``, ``global_parameters``."""
+        raise NotImplementedError(f"{self.name} does not carry the finiteness check")
+
     def global_parameters(self) -> "Optional[list[torch.Tensor]]":
         """The global model's parameter values, aligned with ``ctx.params``, for evaluating or
         checking the global model without changing training state (callers must not modify

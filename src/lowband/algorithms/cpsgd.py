@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
+import numpy as np
 import torch
 
 from ..collectives.wire import MIB
@@ -205,6 +206,10 @@ class BoundCPSGD(BoundAlgorithm):
         self.vector_ranges = [[] if ex is None else
                               [(o, o + ctx.params[i].numel()) for i, o, x in zip(b.param_indices, b.offsets, ex) if x]
                               for b, ex in zip(self.buckets.buckets, self.exact_segments)]
+        # the NaN/Inf check rides on the buckets' flag bytes where every gradient value is in
+        # a bucket's message (not moved to the side channel)
+        self.checks_finite = (self.inline_vectors and "check_finite" in start) or \
+            (self.native and "check_finite" in start and not any(self.vector_ranges))
         if self.cfg.flush_residual_on_correction and self.cfg.correction == "spread" and not self.native:
             raise ValueError("cpsgd: flush_residual_on_correction with the spread correction needs a reducer "
                              "with start(..., exact=, flush_exact=)")
@@ -258,6 +263,16 @@ class BoundCPSGD(BoundAlgorithm):
         """After the warm-up, step t's average reaches W only at step t + 1."""
         return not self.in_warmup(self.t)
 
+    def carries_finiteness(self) -> bool:
+        """Pipelined compressed steps mark each parameter's NaN/Inf in their buckets' flag
+        bytes (the reducer's ``check_finite``), which every rank receives from every rank;
+        warm-up and burst steps (fp32 all-reduces) leave the check to the engine's guard."""
+        return self.checks_finite and not self.in_warmup(self.t) and not self.is_burst(self.t)
+
+    def finiteness_verdict(self) -> list[int]:
+        """Per rank, its first parameter with a non-finite gradient in the step in flight."""
+        return self.in_flight.nonfinite_first() if self.in_flight is not None else [-1] * self.ctx.world_size
+
     # -- iteration ----------------------------------------------------------------------
     def _launch(self, b: Bucket):
         key, segs, t = f"bucket{b.index}", self.segments[b.index], self.t
@@ -277,13 +292,14 @@ class BoundCPSGD(BoundAlgorithm):
             flight.add_exact(b, r, take=not self.inline_vectors)
         if exact is not None:
             flight.add_exact(b, exact, take=not self.native)
+        check = {"check_finite": True} if self.checks_finite else {}
         if self.inline_vectors:
             return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
                                       flush_exact=self.cfg.flush_residual_on_correction,
-                                      exact_segments=self.exact_segments[b.index])
+                                      exact_segments=self.exact_segments[b.index], **check)
         if self.native:
             return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
-                                      flush_exact=self.cfg.flush_residual_on_correction)
+                                      flush_exact=self.cfg.flush_residual_on_correction, **check)
         flight.add_flags(b)
         return self.reducer.start(b.grads, key, segs)
 
@@ -501,6 +517,21 @@ class _InFlight:
             self._n_measure = measure.numel()
         if parts:
             self.side = self.algo.reducer.start_full_precision(torch.cat(parts), "cpsgd-side")
+
+    def nonfinite_first(self) -> list[int]:
+        """Per rank, the smallest parameter index it marked non-finite in the buckets' flag
+        bytes (-1: none); waits for the buckets. The same on every rank: each received every
+        rank's flags."""
+        self.result()
+        first = [-1] * self.algo.ctx.world_size
+        for b, h in zip(self.algo.buckets.buckets, self.handles):
+            bad = getattr(h, "nonfinite", None)
+            if bad is None:
+                continue
+            for r, s in zip(*np.nonzero(bad)):
+                i = b.param_indices[int(s)]
+                first[int(r)] = i if first[int(r)] < 0 else min(first[int(r)], i)
+        return first
 
     def result(self) -> list[Optional[torch.Tensor]]:
         if self._result is not None:

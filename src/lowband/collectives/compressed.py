@@ -20,7 +20,11 @@ re-compresses, one decodes the result. Residuals are owned by the caller (the re
 Present flags (one byte per segment: did this rank produce that gradient) travel in every
 section, so each rank learns after the first exchange which segments any rank produced;
 segments absent on this rank are encoded as zeros with their residual untouched, and globally
-absent ones are not re-compressed by the server either.
+absent ones are not re-compressed by the server either. The same byte carries a second bit,
+``NONFINITE_FLAG``: this rank's gradient of that segment held a NaN or Inf. Since every rank
+receives every rank's flag bytes in the first exchange (all-gather rows, all_to_all rows: one
+per source rank), every rank learns who sent a bad segment at no extra bytes and no collective
+of its own (the engine's finiteness decision rides on the message: :mod:`lowband.guard`).
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ COLLECTIVES = ("allgather", "two-stage")
 COLLECTIVE_CHOICES = ("auto", *COLLECTIVES)
 #: ``auto`` takes ``allgather`` up to this many ranks (see :func:`resolve_collective`)
 AUTO_ALLGATHER_MAX_WORLD = 4
+#: bit of a segment's flag byte: present (this rank produced the gradient)
+PRESENT_FLAG = 1
+#: bit of a segment's flag byte: this rank's gradient of the segment was not finite
+NONFINITE_FLAG = 2
 
 
 def resolve_collective(kind: str, world_size: int) -> str:
@@ -59,17 +67,22 @@ def resolve_collective(kind: str, world_size: int) -> str:
     return kind
 
 
-def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.ndarray]) -> None:
-    """Put this rank's present flags into the flag bytes of every section of ``buf`` (sections
-    back to back, ``layout.section`` bytes each)."""
+def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.ndarray],
+                 nonfinite: Optional[np.ndarray] = None) -> None:
+    """Put this rank's present flags (and ``nonfinite``: bool per segment, its bad segments)
+    into the flag bytes of every section of ``buf`` (sections back to back,
+    ``layout.section`` bytes each)."""
     S = layout.segments
     view = buf.view(-1, layout.section)[:, layout.flag_off:layout.section]
     view.zero_()
     if S:
-        if flags is None:
-            view[:, :S] = 1
+        if flags is None and nonfinite is None:
+            view[:, :S] = PRESENT_FLAG
         else:
-            view[:, :S] = torch.from_numpy(flags.astype(np.uint8)).to(buf.device)
+            byte = np.full(S, PRESENT_FLAG, dtype=np.uint8) if flags is None else flags.astype(np.uint8)
+            if nonfinite is not None:
+                byte |= nonfinite.astype(np.uint8) * np.uint8(NONFINITE_FLAG)
+            view[:, :S] = torch.from_numpy(byte).to(buf.device)
 
 
 def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> np.ndarray:
@@ -80,6 +93,17 @@ def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> np.nda
         return np.zeros(0, dtype=bool)
     flags = buf.view(-1, stride)[:, layout.flag_off:layout.flag_off + S]
     return flags.amax(0).cpu().numpy() > 0
+
+
+def _read_nonfinite(buf: torch.Tensor, layout: ChunkedLayout, stride: int, rows: int) -> Optional[np.ndarray]:
+    """``[rows, segments]`` bool: the non-finite bit of each row's (= each source rank's) flag
+    bytes in ``buf``; None when no row has one (the common case: one small test)."""
+    S = layout.segments
+    if not S:
+        return None
+    flags = buf[:rows * stride].view(rows, stride)[:, layout.flag_off:layout.flag_off + S]
+    bad = flags.bitwise_and(NONFINITE_FLAG).cpu().numpy() > 0
+    return bad if bad.any() else None
 
 
 def _skipped_segments(flags: Optional[np.ndarray], fixed: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -140,10 +164,14 @@ class Plan:
     def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
             e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
             exact: Optional[torch.Tensor] = None, fixed: Optional[np.ndarray] = None,
-            ) -> tuple[torch.Tensor, np.ndarray, Optional[torch.Tensor]]:
+            nonfinite: Optional[np.ndarray] = None,
+            ) -> tuple[torch.Tensor, np.ndarray, Optional[torch.Tensor], Optional[np.ndarray]]:
         """One exchange of bucket ``g``: ``(decoded average, present per segment, average of
-        exact)``. ``[lo, hi)`` and the segments flagged in ``fixed`` are not coded (codes 0,
-        residuals untouched): the caller sends their values in ``exact`` (fp32, flat)."""
+        exact, non-finite segments per rank)``. ``[lo, hi)`` and the segments flagged in
+        ``fixed`` are not coded (codes 0, residuals untouched): the caller sends their values
+        in ``exact`` (fp32, flat). ``nonfinite`` (bool per segment) marks this rank's bad
+        segments in its flag bytes; the last item is every rank's marks, ``[world, segments]``
+        bool, or None when no rank marked any."""
         raise NotImplementedError
 
 
@@ -166,13 +194,13 @@ class AllgatherPlan(Plan):
     def inline_exact(self) -> bool:
         return self.world <= 2
 
-    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None):
+    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, nonfinite=None):
         lay, p, dev = self.layout, self.world, g.device
         R = 0 if exact is None else exact.numel()
         stride = lay.section + 4 * R
         send = self._buffer("send", stride, dev)
         self.worker.encode(g, e_worker, send, self.worker_skip(lo, hi, _skipped_segments(flags, fixed)))
-        _write_flags(send[:lay.section], lay, flags)
+        _write_flags(send[:lay.section], lay, flags, nonfinite)
         if R:
             send[lay.section:].view(torch.float32).copy_(exact)
         gathered = self._buffer("gathered", p * stride, dev)
@@ -180,7 +208,7 @@ class AllgatherPlan(Plan):
         out = torch.empty(self.numel, dtype=torch.float32, device=dev)
         self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p), stride)
         mean = mean_rows(_raw_rows(gathered, p, stride, lay.section), p) if R else None
-        return out, _read_flags(gathered, lay, stride), mean
+        return out, _read_flags(gathered, lay, stride), mean, _read_nonfinite(gathered, lay, stride, p)
 
 
 class TwoStagePlan(Plan):
@@ -243,7 +271,7 @@ class TwoStagePlan(Plan):
             self._mine_index = (torch.from_numpy(bucket).to(device), torch.from_numpy(server).to(device))
         return self._mine_index
 
-    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None):
+    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, nonfinite=None):
         lay, slay, p, dev = self.layout, self.server_layout, self.world, g.device
         R = 0 if exact is None else exact.numel()
         rc = -(-R // p)                      # exact elements per owner (the last ones padded)
@@ -251,7 +279,7 @@ class TwoStagePlan(Plan):
         stride1 = lay.section + 4 * rc
         codes = self._buffer("codes", p * lay.section, dev)
         self.worker.encode(g, e_worker, codes, self.worker_skip(lo, hi, _skipped_segments(flags, fixed)))
-        _write_flags(codes, lay, flags)
+        _write_flags(codes, lay, flags, nonfinite)
         send = codes
         if rc:
             send = self._buffer("send", p * stride1, dev)
@@ -262,6 +290,7 @@ class TwoStagePlan(Plan):
         recv = self._buffer("recv", p * stride1, dev)
         comm.all_to_all(recv, send)
         present = _read_flags(recv, lay, stride1)
+        bad = _read_nonfinite(recv, lay, stride1, p)     # row r came from rank r
         # the owner averages the N versions of its chunks, re-compresses with its residual
         avg = torch.empty(slay.total, dtype=torch.float32, device=dev)
         self.worker.decode(recv, p, self.dec1, self.dec1_table, avg, True, float(p), stride1)
@@ -280,7 +309,7 @@ class TwoStagePlan(Plan):
         runs, table = self.dec2(stride2)
         self.server.decode(gathered, 1, runs, table, out, False, 1.0, stride2)
         mean = _raw_rows(gathered, p, stride2, slay.section).reshape(-1)[:R] if R else None
-        return out, present, mean
+        return out, present, mean, bad
 
 
 PLANS = {"allgather": AllgatherPlan, "two-stage": TwoStagePlan}
