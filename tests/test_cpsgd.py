@@ -197,6 +197,33 @@ def test_compressed_with_corrections_matches_simulation(flush):
     assert max_rel_err(results[0], results[1]) == 0.0
 
 
+def _run_lowband_slow_pipeline(rank: int, world: int, options: dict):
+    """As :func:`_run_lowband`, with every compressed job of the pipeline held back 40 ms, so
+    step t's job still reads its bucket while step t + 1's backward fills the buckets."""
+    import time
+    from lowband.pipeline import CompressedReducer
+    run = CompressedReducer._run
+
+    def slow(self, *args):
+        time.sleep(0.04)
+        return run(self, *args)
+    CompressedReducer._run = slow
+    try:
+        return _run_lowband(rank, world, options)
+    finally:
+        CompressedReducer._run = run
+
+
+def test_buckets_handed_over_uncopied_survive_a_slow_pipeline():
+    """cpsgd gives the reducer its bucket without a copy (double-buffered buckets): a job that
+    runs late must still see its own step's gradients, bit for bit."""
+    options = {"warmup_steps": 2, "correction_period": 3, "bucket_mb": BUCKET_MB}
+    fast = run_distributed(_run_lowband, 2, options)
+    slow = run_distributed(_run_lowband_slow_pipeline, 2, options)
+    for a, b in zip(fast, slow):
+        assert max_rel_err(a, b) == 0.0
+
+
 @pytest.mark.parametrize("numel, k", [(1, 1), (7, 3), (2621, 5), (10, 16), (18432, 7)])
 def test_spread_shares_cover_every_element_once_per_cycle(numel, k):
     masks = slow_share_masks(numel, k)

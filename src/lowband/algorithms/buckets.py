@@ -37,6 +37,7 @@ class Bucket:
     handle: object = None            # whatever the launch callback returned
     key: Any = None                  # the bucket's kind (see the module docstring)
     position: dict = field(default_factory=dict)   # parameter index -> position in the bucket
+    spare: Optional[torch.Tensor] = None   # double buffering: the previous iteration's buffer
 
     @property
     def grads(self) -> torch.Tensor:
@@ -90,7 +91,12 @@ class BucketSet:
         bucket_bytes: int,
         launch: Callable[[Bucket], object],
         key: Optional[Callable[[int], Any]] = None,
+        double_buffered: bool = False,
     ):
+        """``double_buffered``: each bucket alternates between two buffers, one per iteration,
+        so a launch may hand its buffer to an asynchronous job without copying it, as long as
+        that job is finished before the iteration after next starts filling the buffer again
+        (a depth-1 pipeline waits for step t's job during step t + 1)."""
         self.params = params
         self.launch_fn = launch
         self.buckets: list[Bucket] = []
@@ -104,14 +110,17 @@ class BucketSet:
             dtype = params[group[0]].dtype
             device = params[group[0]].device
             buf = torch.zeros(n + len(group), dtype=dtype, device=device)
+            spare = torch.zeros_like(buf) if double_buffered else None
             self.buckets.append(Bucket(b, list(group), offsets, n, buf, key=kind,
-                                       position={i: k for k, i in enumerate(group)}))
+                                       position={i: k for k, i in enumerate(group)}, spare=spare))
         self._next = 0
         self.reset()
 
     def reset(self) -> None:
-        """Prepare for a new iteration."""
+        """Prepare for a new iteration (double buffered: switch to the other buffer)."""
         for b in self.buckets:
+            if b.spare is not None:
+                b.buffer, b.spare = b.spare, b.buffer
             b.pending = set(b.param_indices)
             b.launched = False
             b.handle = None

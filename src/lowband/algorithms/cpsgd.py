@@ -196,7 +196,11 @@ class BoundCPSGD(BoundAlgorithm):
         # the CONTRACT's exact= / present= when the reducer has them; else a side channel:
         # exact shares and per-parameter flags in one fp32 all-reduce per step on the same queue
         self.native = "exact" in start and "present" in start
-        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.cfg.bucket_mb * MIB), self._launch)
+        # double buffered: a pipelined bucket goes to the reducer uncopied (``copy=False``);
+        # step t's job is waited for in step t + 1, before step t + 2 refills its buffer
+        self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.cfg.bucket_mb * MIB), self._launch,
+                                 double_buffered=True)
+        self.uncopied = "copy" in start
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         # 1-D parameters are always averaged exactly (unless compress_vectors): in the bucket's own
         # message where the reducer takes exact_segments=, else as ranges on the side channel
@@ -293,6 +297,8 @@ class BoundCPSGD(BoundAlgorithm):
         if exact is not None:
             flight.add_exact(b, exact, take=not self.native)
         check = {"check_finite": True} if self.checks_finite else {}
+        if self.uncopied:
+            check["copy"] = False
         if self.inline_vectors:
             return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
                                       flush_exact=self.cfg.flush_residual_on_correction,
