@@ -74,12 +74,12 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
 
 
-def _nan_run(rank: int, world: int, policy: str, inject: bool):
+def _nan_run(rank: int, world: int, policy: str, inject: bool, algorithm=None):
     """STEPS steps with SGD+momentum; with ``inject``, rank BAD_RANK's loss is NaN at BAD_STEP.
     Without it, the batch of BAD_STEP is left out altogether (the "never happened" reference)."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    engine = lowband.distribute(model, opt, lowband.SSGD(bucket_mb=0.01), nonfinite=policy)
+    engine = lowband.distribute(model, opt, algorithm or lowband.SSGD(bucket_mb=0.01), nonfinite=policy)
     it = ShardedBatches(make_synthetic(512, seed=1), BATCH, rank, world, seed=3).epoch(0)
     applied = []
     for step in range(1, STEPS + 1):
@@ -96,15 +96,19 @@ def _nan_run(rank: int, world: int, policy: str, inject: bool):
             applied.append(engine.step())
         except lowband.NonFiniteGradientError as e:
             unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
-            return {"error": str(e), "step": e.step, "bad": e.bad, "unchanged": unchanged}
+            return {"error": str(e), "step": e.step, "bad": e.bad, "unchanged": unchanged,
+                    "guard_calls": engine.guard.comm.stats.calls}
     engine.synchronize()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "applied": applied, "skipped": engine.stats.skipped_steps}
 
 
 def _nan_runs(rank: int, world: int) -> dict:
+    compressed = {c: lowband.CompressedSGD(warmup_steps=1, bucket_mb=0.01, collective=c)
+                  for c in ("allgather", "two-stage")}
     return {"raise": _nan_run(rank, world, "raise", True), "skip": _nan_run(rank, world, "skip", True),
-            "reference": _nan_run(rank, world, "skip", False)}
+            "reference": _nan_run(rank, world, "skip", False),
+            **{f"raise, compressed {c}": _nan_run(rank, world, "raise", True, a) for c, a in compressed.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +122,18 @@ def test_nonfinite_raise_stops_every_rank_naming_step_rank_parameter(nan_results
         assert r["error"].startswith(f"non-finite gradient at step {BAD_STEP} on rank {BAD_RANK} "
                                      "(first parameter '3.bias')"), r["error"]
         assert r["unchanged"]        # the optimizer never applied the poisoned step
+
+
+def test_compressed_carries_the_check_in_its_buckets(nan_results):
+    """Past its warm-up `compressed` marks bad segments in its buckets' flag bytes: the same
+    error at the same step, parameters unchanged, and the guard exchanged only in the warm-up."""
+    for n in nan_results:
+        for c in ("allgather", "two-stage"):
+            r = n[f"raise, compressed {c}"]
+            assert r["step"] == BAD_STEP and r["bad"] == {BAD_RANK: "3.bias"}, (c, r)
+            assert r["error"].startswith(f"non-finite gradient at step {BAD_STEP} on rank {BAD_RANK} "), r["error"]
+            assert r["unchanged"]
+            assert r["guard_calls"] == 1, (c, r["guard_calls"])     # the warm-up step's exchange only
 
 
 def test_nonfinite_skip_equals_a_run_without_that_step(nan_results):

@@ -77,7 +77,8 @@ class Engine:
         #: algorithm's traffic in ``stats`` as the guard's are
         self.aux_stats = CommStats()
         self._broadcast_initial_state()
-        self.ctx = EngineContext(model=model, optimizer=optimizer, names=self.names, params=self.params, comm=self.comm)
+        self.ctx = EngineContext(model=model, optimizer=optimizer, names=self.names, params=self.params, comm=self.comm,
+                                 decide_finiteness=self.guard.decide_carried)
         #: the algorithm bound to this engine (its state); ``algorithm`` stays configuration
         self.bound = algorithm.bind(self.ctx)
         bound = self.bound
@@ -104,7 +105,7 @@ class Engine:
 
     def _finiteness_carried(self) -> bool:
         """This iteration's NaN/Inf check travels in the algorithm's messages (policy "raise")."""
-        return self.bound.gradients_applied_late() and self.bound.carries_finiteness()
+        return self.bound.carries_finiteness()
 
     def agreement_fields(self, nonfinite: str,
                          max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> dict[str, Any]:
@@ -156,6 +157,13 @@ class Engine:
             if not carried:
                 for index, gradient in self.bound.captured_gradients():
                     self.guard.record(index, gradient)
+            if carried and not self.bound.gradients_applied_late():
+                with self._waiting(not self.guard.pending_carried):
+                    self.guard.expect_carried(step)
+                self.bound.step()         # calls ctx.decide_finiteness before applying anything
+                self.guard.ensure_carried_decided()
+                self.comm.stats.steps += 1
+                return True
             with self._waiting(not self.guard.pending_carried):
                 if carried:       # settles the previous step's deferred decision first, as start()
                     self.guard.start_carried(step, self.bound.finiteness_verdict)

@@ -36,8 +36,10 @@ An algorithm whose messages already reach every rank from every rank can carry t
 itself (``BoundAlgorithm.carries_finiteness``: CP-SGD's pipelined buckets mark each
 parameter's non-finite gradient in their flag bytes). For such a step the hook does not test
 the gradients and no exchange runs; the deferred decision is settled at the same points, from
-the per-rank first bad index the algorithm reports (``finiteness_verdict``). The message, the
-error and the agreement are those of the exchange; the guard's all-reduce and its per-parameter
+the per-rank first bad index the algorithm reports (``finiteness_verdict``); a synchronous
+algorithm (``compressed``) reports it inside its ``step()``, after its buckets arrive and
+before the optimizer (``EngineContext.decide_finiteness``). The message, the error and the
+agreement are those of the exchange; the guard's all-reduce and its per-parameter
 tests are gone from the step (measured: docs/results.md, tenth session).
 
 The exchange runs on a dedicated process group: under ``"raise"`` the algorithm's own
@@ -143,6 +145,7 @@ class GradientGuard:
         #: whether the gradients now being produced are checked by the algorithm (set by the
         #: engine: a callable asked in the hook, ``carries_finiteness`` under "raise")
         self.carried_by: Optional[Callable[[], bool]] = None
+        self._expected: Optional[int] = None   # the synchronous step whose carried verdict is due
         if policy != "off" and dist.get_world_size(group) > 1:
             # every rank creates it in the same order (inside distribute), as new_group requires
             ranks = dist.get_process_group_ranks(group) if group is not None else None
@@ -206,6 +209,29 @@ class GradientGuard:
         self.settle()
         self._finite.clear()
         self._pending = (step, None, None, verdict)
+
+    def expect_carried(self, step: int) -> None:
+        """A synchronous step whose finiteness travels in the algorithm's messages: the
+        algorithm's ``step()`` calls :meth:`decide_carried` before applying anything."""
+        self._refuse_if_failed()
+        self.settle()
+        self._finite.clear()
+        self._expected = step
+
+    def decide_carried(self, verdict: Sequence[int]) -> None:
+        """The agreed per-rank first bad index of the expected step: raise on every rank if
+        some rank's gradient was not finite."""
+        step, self._expected = self._expected, None
+        if step is None:
+            raise RuntimeError("decide_finiteness called outside a step that carries the finiteness check")
+        self._decide(step, torch.tensor(list(verdict), dtype=torch.int64))
+
+    def ensure_carried_decided(self) -> None:
+        """After the algorithm's step: RuntimeError if it did not report the verdict it carried."""
+        if self._expected is not None:
+            step, self._expected = self._expected, None
+            raise RuntimeError(f"step {step}: the algorithm said it carries the finiteness check but its "
+                               "step() never called ctx.decide_finiteness")
 
     def settle(self) -> None:
         """Finish the exchange :meth:`start` began (no-op if none): raise on every rank if

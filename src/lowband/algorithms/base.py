@@ -32,7 +32,7 @@ import math
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -50,6 +50,11 @@ class EngineContext:
     names: list[str]
     params: list[nn.Parameter]
     comm: Communicator
+    #: for an algorithm that carries the finiteness check in a synchronous step
+    #: (:meth:`BoundAlgorithm.carries_finiteness` without ``gradients_applied_late``): call it
+    #: with the per-rank verdict after the step's communication and before the optimizer; it
+    #: raises :class:`lowband.NonFiniteGradientError` on every rank for a bad step
+    decide_finiteness: Optional[Callable[[Sequence[int]], None]] = None
 
     @property
     def rank(self) -> int:
@@ -123,17 +128,19 @@ class BoundAlgorithm(ABC):
     def carries_finiteness(self) -> bool:
         """True if this iteration's gradients are checked for NaN/Inf by the algorithm itself,
         inside its own messages, so that the engine's guard needs neither its per-gradient test
-        nor its exchange (:mod:`lowband.guard`). Only asked when the guard's policy is "raise"
-        and :meth:`gradients_applied_late` holds; then every gradient of the iteration,
-        captured ones included, must be checked, and :meth:`finiteness_verdict` answers for
-        it. Asked during backward (in the gradient hook) and before ``step()``; it must give
-        the same answer throughout one iteration."""
+        nor its exchange (:mod:`lowband.guard`). Only asked when the guard's policy is "raise";
+        then every gradient of the iteration, captured ones included, must be checked. With
+        :meth:`gradients_applied_late` the decision is deferred and :meth:`finiteness_verdict`
+        answers for it later; without, ``step()`` itself must call ``ctx.decide_finiteness``
+        with the verdict before it applies anything (the engine raises if it does not).
+        Asked during backward (in the gradient hook) and before ``step()``; it must give the
+        same answer throughout one iteration."""
         return False
 
     def finiteness_verdict(self) -> "list[int]":
-        """For the last iteration that :meth:`carries_finiteness`: per rank, the index (in
-        ``ctx.params``) of its first parameter whose gradient was not finite, -1 for none;
-        identical on every rank (it may wait for that iteration's communication). Called
+        """For the last (deferred) iteration that :meth:`carries_finiteness`: per rank, the
+        index (in ``ctx.params``) of its first parameter whose gradient was not finite, -1 for
+        none; identical on every rank (it may wait for that iteration's communication). Called
         before the next ``step()``, or before ``drain``, ``state_dict``, ``global_parameters``."""
         raise NotImplementedError(f"{self.name} does not carry the finiteness check")
 

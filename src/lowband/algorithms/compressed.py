@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
+import numpy as np
+
 from ..collectives.compressed import COLLECTIVE_CHOICES
 from ..collectives.wire import MIB
 from ..compressors import COMPRESSORS, build_compressor
@@ -105,6 +107,14 @@ class BoundCompressedSGD(BoundAlgorithm):
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         self.exact_segments = [exact_vector_segments(ctx.params, b.param_indices, cfg.compress_vectors)
                                for b in self.buckets.buckets]
+        # the NaN/Inf check rides on the buckets' flag bytes unless some bucket goes whole in fp32
+        self.checks_finite = not any(ex is not None and all(ex) for ex in self.exact_segments)
+
+    def carries_finiteness(self) -> bool:
+        """Compressed steps mark each parameter's NaN/Inf in their buckets' flag bytes, which
+        every rank receives from every rank; ``step()`` reports the verdict before the
+        optimizer runs. Warm-up steps (fp32 all-reduces) leave the check to the engine's guard."""
+        return self.checks_finite and not self.warmup.active(self.steps_done)
 
     def _launch(self, b: Bucket) -> Handle:
         key, segments, present = f"bucket{b.index}", self.segments[b.index], b.flags > 0
@@ -112,16 +122,21 @@ class BoundCompressedSGD(BoundAlgorithm):
         if self.warmup.active(self.steps_done) or (exact is not None and all(exact)):
             return self.reducer.start_full_precision(b.grads, key, segments, present=present)
         # no copy: step() waits for every bucket before the next backward refills it
-        return self.reducer.start(b.grads, key, segments, present=present, exact_segments=exact, copy=False)
+        return self.reducer.start(b.grads, key, segments, present=present, exact_segments=exact, copy=False,
+                                  check_finite=self.checks_finite)
 
     def on_gradient_ready(self, index: int) -> None:
         self.buckets.mark_ready(index, overlap=self.cfg.overlap)
 
     def step(self) -> None:
+        carried = self.carries_finiteness() and self.ctx.decide_finiteness is not None
         self.buckets.launch_remaining()
         for b in self.buckets.buckets:
             averaged = b.handle.wait()
             self.buckets.write_gradients(b, averaged, present=b.handle.present)
+        if carried:
+            buckets = self.buckets.buckets
+            self.ctx.decide_finiteness(first_nonfinite(buckets, [b.handle for b in buckets], self.ctx.world_size))
         self.ctx.optimizer.step()
         self.buckets.reset()
         self.steps_done += 1
@@ -135,6 +150,22 @@ class BoundCompressedSGD(BoundAlgorithm):
 
     def close(self) -> None:
         self.reducer.close()
+
+
+def first_nonfinite(buckets: list, handles: list, world: int) -> list[int]:
+    """Per rank, the smallest parameter index it marked non-finite in the flag bytes of the
+    waited-for ``handles`` of ``buckets`` (one segment per parameter, in bucket order; the
+    reducer's ``check_finite``), -1 for none: the same on every rank, since each received
+    every rank's flags."""
+    first = [-1] * world
+    for b, h in zip(buckets, handles):
+        bad = getattr(h, "nonfinite", None)
+        if bad is None:
+            continue
+        for r, s in zip(*np.nonzero(bad)):
+            i = b.param_indices[int(s)]
+            first[int(r)] = i if first[int(r)] < 0 else min(first[int(r)], i)
+    return first
 
 
 def bucket_segments(names: list[str], params: list, indices: list[int]) -> list[tuple[str, int]]:

@@ -41,7 +41,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-import numpy as np
 import torch
 
 from ..collectives.wire import MIB
@@ -49,7 +48,7 @@ from ..compressors import build_compressor
 from ..pipeline import make_collective
 from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
-from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments
+from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments, first_nonfinite
 from .local_update import FusedSGDStep, TentativeStep, param_group_of
 from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
 
@@ -525,19 +524,10 @@ class _InFlight:
             self.side = self.algo.reducer.start_full_precision(torch.cat(parts), "cpsgd-side")
 
     def nonfinite_first(self) -> list[int]:
-        """Per rank, the smallest parameter index it marked non-finite in the buckets' flag
-        bytes (-1: none); waits for the buckets. The same on every rank: each received every
-        rank's flags."""
+        """Per rank, its first parameter marked non-finite in the buckets' flag bytes (-1:
+        none); waits for the buckets."""
         self.result()
-        first = [-1] * self.algo.ctx.world_size
-        for b, h in zip(self.algo.buckets.buckets, self.handles):
-            bad = getattr(h, "nonfinite", None)
-            if bad is None:
-                continue
-            for r, s in zip(*np.nonzero(bad)):
-                i = b.param_indices[int(s)]
-                first[int(r)] = i if first[int(r)] < 0 else min(first[int(r)], i)
-        return first
+        return first_nonfinite(self.algo.buckets.buckets, self.handles, self.algo.ctx.world_size)
 
     def result(self) -> list[Optional[torch.Tensor]]:
         if self._result is not None:
