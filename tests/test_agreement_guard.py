@@ -203,3 +203,30 @@ def test_nonfinite_raise_under_a_pipeline_is_decided_one_step_late_on_every_rank
         assert weight["global_finite"]
         for run in (middle, last, weight):   # carried by the buckets: the guard exchanged only in the warm-up
             assert run["carried"] and run["guard_calls"][PIPE_WARMUP - 1:] == [PIPE_WARMUP] * len(run["guard_calls"][PIPE_WARMUP - 1:])
+
+
+class _ForgetfulCarrier(lowband.SSGD):
+    """Claims to carry the finiteness check in a synchronous step but never reports it."""
+
+    def bind(self, ctx):
+        bound = super().bind(ctx)
+        bound.carries_finiteness = lambda: True
+        return bound
+
+
+def _forgetful_run(rank: int, world: int) -> str:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    engine = lowband.distribute(model, opt, _ForgetfulCarrier(bucket_mb=0.01))
+    x, y = next(ShardedBatches(make_synthetic(64, seed=1), BATCH, rank, world, seed=3).epoch(0))
+    F.cross_entropy(engine.module(x), y).backward()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_carried_check_that_is_never_reported_is_an_error_not_a_silent_pass():
+    for message in run_distributed(_forgetful_run, 2):
+        assert "never called ctx.decide_finiteness" in message, message
