@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..collectives.communicator import flatten, unflatten_into
 from .base import Algorithm, BoundAlgorithm, EngineContext
 from .schedule import Warmup
-from ..collectives.wire import MIB
+from ..collectives.wire import MIB, allreduce_bytes
 
 #: DDP's own default bucket cap (``torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB``)
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
@@ -373,5 +373,5 @@ def _permute(flat: torch.Tensor, old: dict[str, slice], new: dict[str, slice]) -
 def _all_reduce_bytes(nbytes: int, world_size: int) -> tuple[int, float, float]:
     """(payload, sent, received) of one ring all-reduce — the Communicator's wire model, for
     collectives PyTorch's hook issues itself."""
-    wire = 2.0 * (world_size - 1) / world_size * nbytes
+    wire = allreduce_bytes(nbytes, world_size)
     return nbytes, wire, wire
