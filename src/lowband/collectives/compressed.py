@@ -85,25 +85,16 @@ def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.nd
             view[:, :S] = torch.from_numpy(byte).to(buf.device)
 
 
-def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> np.ndarray:
-    """OR over the sections of ``buf`` (``stride`` bytes apart) of their present flags (bool per
-    segment)."""
+def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """From the sections of ``buf`` (``stride`` bytes apart; row r came from rank r), in one
+    transfer of their flag bytes: the OR of their present flags (bool per segment) and each
+    row's non-finite bits (``[rows, segments]`` bool, None when no row has one)."""
     S = layout.segments
     if not S:
-        return np.zeros(0, dtype=bool)
-    flags = buf.view(-1, stride)[:, layout.flag_off:layout.flag_off + S]
-    return flags.amax(0).cpu().numpy() > 0
-
-
-def _read_nonfinite(buf: torch.Tensor, layout: ChunkedLayout, stride: int, rows: int) -> Optional[np.ndarray]:
-    """``[rows, segments]`` bool: the non-finite bit of each row's (= each source rank's) flag
-    bytes in ``buf``; None when no row has one (the common case: one small test)."""
-    S = layout.segments
-    if not S:
-        return None
-    flags = buf[:rows * stride].view(rows, stride)[:, layout.flag_off:layout.flag_off + S]
-    bad = flags.bitwise_and(NONFINITE_FLAG).cpu().numpy() > 0
-    return bad if bad.any() else None
+        return np.zeros(0, dtype=bool), None
+    flags = buf.view(-1, stride)[:, layout.flag_off:layout.flag_off + S].cpu().numpy()
+    bad = (flags & NONFINITE_FLAG) > 0
+    return flags.max(0) > 0, (bad if bad.any() else None)
 
 
 def _skipped_segments(flags: Optional[np.ndarray], fixed: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -208,7 +199,8 @@ class AllgatherPlan(Plan):
         out = torch.empty(self.numel, dtype=torch.float32, device=dev)
         self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p), stride)
         mean = mean_rows(_raw_rows(gathered, p, stride, lay.section), p) if R else None
-        return out, _read_flags(gathered, lay, stride), mean, _read_nonfinite(gathered, lay, stride, p)
+        present, bad = _read_flags(gathered, lay, stride)
+        return out, present, mean, bad
 
 
 class TwoStagePlan(Plan):
@@ -289,8 +281,7 @@ class TwoStagePlan(Plan):
             _raw_rows(send, p, stride1, lay.section).copy_(padded.view(p, rc))
         recv = self._buffer("recv", p * stride1, dev)
         comm.all_to_all(recv, send)
-        present = _read_flags(recv, lay, stride1)
-        bad = _read_nonfinite(recv, lay, stride1, p)     # row r came from rank r
+        present, bad = _read_flags(recv, lay, stride1)     # row r came from rank r
         # the owner averages the N versions of its chunks, re-compresses with its residual
         avg = torch.empty(slay.total, dtype=torch.float32, device=dev)
         self.worker.decode(recv, p, self.dec1, self.dec1_table, avg, True, float(p), stride1)
