@@ -63,8 +63,11 @@ def wait_until(predicate, deadline_s: float, what: str) -> None:
 def children(pid: int) -> list[int]:
     kids: list[int] = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            kids += [int(k) for k in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except FileNotFoundError:     # that thread ended between the listing and the read
+            continue
     return kids
 
 
