@@ -108,7 +108,11 @@ def _nan_runs(rank: int, world: int) -> dict:
                   for c in ("allgather", "two-stage")}
     return {"raise": _nan_run(rank, world, "raise", True), "skip": _nan_run(rank, world, "skip", True),
             "reference": _nan_run(rank, world, "skip", False),
-            **{f"raise, compressed {c}": _nan_run(rank, world, "raise", True, a) for c, a in compressed.items()}}
+            **{f"raise, compressed {c}": _nan_run(rank, world, "raise", True, a) for c, a in compressed.items()},
+            "skip, compressed": _nan_run(rank, world, "skip", True, compressed["allgather"]),
+            "off, compressed": _nan_run(rank, world, "off", False, compressed["allgather"]),
+            "skip, cpsgd": _nan_run(rank, world, "skip", True, lowband.CPSGD(warmup_steps=1, bucket_mb=0.01)),
+            "off, cpsgd": _nan_run(rank, world, "off", False, lowband.CPSGD(warmup_steps=1, bucket_mb=0.01))}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +138,17 @@ def test_compressed_carries_the_check_in_its_buckets(nan_results):
             assert r["error"].startswith(f"non-finite gradient at step {BAD_STEP} on rank {BAD_RANK} "), r["error"]
             assert r["unchanged"]
             assert r["guard_calls"] == 1, (c, r["guard_calls"])     # the warm-up step's exchange only
+
+
+def test_the_carried_check_stays_out_of_the_other_policies(nan_results):
+    """Under "skip" and "off" the compressing algorithms carry nothing: past their warm-up
+    "skip" drops the bad step through the guard's own exchange, and "off" just trains."""
+    for n in nan_results:
+        for alg in ("compressed", "cpsgd"):
+            skip, off = n[f"skip, {alg}"], n[f"off, {alg}"]
+            assert "error" not in skip and skip["skipped"] == 1, (alg, skip.get("error"))
+            assert skip["applied"] == [True, True, False, True, True, True]
+            assert "error" not in off and off["skipped"] == 0, (alg, off.get("error"))
 
 
 def test_nonfinite_skip_equals_a_run_without_that_step(nan_results):

@@ -77,14 +77,15 @@ class Engine:
         #: algorithm's traffic in ``stats`` as the guard's are
         self.aux_stats = CommStats()
         self._broadcast_initial_state()
+        carried = self.guard.decide_carried if self.guard.policy == "raise" else None
         self.ctx = EngineContext(model=model, optimizer=optimizer, names=self.names, params=self.params, comm=self.comm,
-                                 decide_finiteness=self.guard.decide_carried)
+                                 decide_finiteness=carried)
         #: the algorithm bound to this engine (its state); ``algorithm`` stays configuration
         self.bound = algorithm.bind(self.ctx)
         bound = self.bound
         self.module = bound.wrap_module(model)
         if self.guard.policy == "raise":
-            self.guard.carried_by = self._finiteness_carried
+            self.guard.carried_by = bound.carries_finiteness
         self._hooks = []
         self._forward = bound.on_gradient_ready if bound.uses_gradient_hooks else None
         if bound.uses_gradient_hooks or self.guard.active:
@@ -102,10 +103,6 @@ class Engine:
             def hook(_param: torch.Tensor) -> None:
                 guard.on_gradient(index, forward)
         return hook
-
-    def _finiteness_carried(self) -> bool:
-        """This iteration's NaN/Inf check travels in the algorithm's messages (policy "raise")."""
-        return self.bound.carries_finiteness()
 
     def agreement_fields(self, nonfinite: str,
                          max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> dict[str, Any]:
@@ -153,7 +150,7 @@ class Engine:
         callers then leave their LR scheduler alone, as if the step had not happened."""
         if self.guard.active:
             step = self.comm.stats.steps + 1
-            carried = self.guard.policy == "raise" and self._finiteness_carried()
+            carried = self.guard.policy == "raise" and self.bound.carries_finiteness()
             if not carried:
                 for index, gradient in self.bound.captured_gradients():
                     self.guard.record(index, gradient)

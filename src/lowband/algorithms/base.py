@@ -50,10 +50,11 @@ class EngineContext:
     names: list[str]
     params: list[nn.Parameter]
     comm: Communicator
-    #: for an algorithm that carries the finiteness check in a synchronous step
-    #: (:meth:`BoundAlgorithm.carries_finiteness` without ``gradients_applied_late``): call it
-    #: with the per-rank verdict after the step's communication and before the optimizer; it
-    #: raises :class:`lowband.NonFiniteGradientError` on every rank for a bad step
+    #: set when the engine's finiteness policy is "raise", the only one an algorithm may carry
+    #: (:meth:`BoundAlgorithm.carries_finiteness`; None: do not check, the guard does or no one
+    #: does). In a synchronous step that carries it, call it with the per-rank verdict after the
+    #: step's communication and before the optimizer; it raises
+    #: :class:`lowband.NonFiniteGradientError` on every rank for a bad step
     decide_finiteness: Optional[Callable[[Sequence[int]], None]] = None
 
     @property

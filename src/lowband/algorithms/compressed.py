@@ -107,8 +107,10 @@ class BoundCompressedSGD(BoundAlgorithm):
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         self.exact_segments = [exact_vector_segments(ctx.params, b.param_indices, cfg.compress_vectors)
                                for b in self.buckets.buckets]
-        # the NaN/Inf check rides on the buckets' flag bytes unless some bucket goes whole in fp32
-        self.checks_finite = not any(ex is not None and all(ex) for ex in self.exact_segments)
+        # the NaN/Inf check rides on the buckets' flag bytes (when the engine's policy asks for
+        # it) unless some bucket goes whole in fp32
+        self.checks_finite = ctx.decide_finiteness is not None and \
+            not any(ex is not None and all(ex) for ex in self.exact_segments)
 
     def carries_finiteness(self) -> bool:
         """Compressed steps mark each parameter's NaN/Inf in their buckets' flag bytes, which
@@ -129,7 +131,7 @@ class BoundCompressedSGD(BoundAlgorithm):
         self.buckets.mark_ready(index, overlap=self.cfg.overlap)
 
     def step(self) -> None:
-        carried = self.carries_finiteness() and self.ctx.decide_finiteness is not None
+        carried = self.carries_finiteness()
         self.buckets.launch_remaining()
         for b in self.buckets.buckets:
             averaged = b.handle.wait()

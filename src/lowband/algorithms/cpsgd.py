@@ -209,10 +209,10 @@ class BoundCPSGD(BoundAlgorithm):
         self.vector_ranges = [[] if ex is None else
                               [(o, o + ctx.params[i].numel()) for i, o, x in zip(b.param_indices, b.offsets, ex) if x]
                               for b, ex in zip(self.buckets.buckets, self.exact_segments)]
-        # the NaN/Inf check rides on the buckets' flag bytes where every gradient value is in
-        # a bucket's message (not moved to the side channel)
-        self.checks_finite = (self.inline_vectors and "check_finite" in start) or \
-            (self.native and "check_finite" in start and not any(self.vector_ranges))
+        # the NaN/Inf check rides on the buckets' flag bytes (when the engine's policy asks for
+        # it) where every gradient value is in a bucket's message (not moved to the side channel)
+        self.checks_finite = ctx.decide_finiteness is not None and "check_finite" in start and \
+            (self.inline_vectors or (self.native and not any(self.vector_ranges)))
         if self.cfg.flush_residual_on_correction and self.cfg.correction == "spread" and not self.native:
             raise ValueError("cpsgd: flush_residual_on_correction with the spread correction needs a reducer "
                              "with start(..., exact=, flush_exact=)")
