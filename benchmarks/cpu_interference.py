@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--python-ms", type=float, default=0.5)
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
+    if args.workers < 1 or args.rounds < 1 or not 0 <= args.skip < args.steps:
+        ap.error("need --workers >= 1, --rounds >= 1 and 0 <= --skip < --steps")
     bad = [k for k in args.kinds if k not in KINDS]
     if bad:
         ap.error(f"unknown kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)}")
