@@ -11,7 +11,9 @@ rank (median over steps, max over ranks of each rank's median) for:
   the cheapest possible synchronous step;
 * ``ssgd`` and ``compressed`` (2-bit, ``warmup_steps=0``): lowband's algorithms;
 * any ``--variants`` entry written as ``lowband bench`` writes algorithms
-  (``compressed:warmup_steps=0:compress_vectors=true``), with ``+barrier`` to add the barrier.
+  (``compressed:warmup_steps=0:compress_vectors=true``), with ``+barrier`` to add the barrier
+  and ``@spread`` (last) to bind each rank to its own cores (``--cpu-binding spread``,
+  :mod:`lowband.cpus`).
 
 Every rank trains ``cnn`` on synthetic Fashion-MNIST-shaped data with one intra-op thread,
 gloo over loopback (no emulated link), as ``lowband bench --bandwidth none`` does.
@@ -40,9 +42,12 @@ VARIANTS = {
 
 def _worker(rank: int, world: int, port: int, variant: str, steps: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import lowband
+    from lowband import cpus
+    variant, _, binding = variant.partition("@")
+    cpus.bind(binding or "none", {"LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import lowband
     from lowband import tasks
     from lowband.data import ShardedBatches, make_synthetic
     from lowband.models import make_model
@@ -95,7 +100,7 @@ def main() -> None:
         for v in variants:
             ms[v].append(1e3 * run(v, args.workers, args.steps))
     print(f"# cnn, {args.workers} gloo ranks on loopback, {args.steps} timed steps, {args.rounds} rounds "
-          f"(median step ms per run; ratio to noop per round, then the median ratio)")
+          f"(median step ms per run; ratio to unbound noop per round, then the median ratio)")
     print("| variant | step ms per round | / noop per round | median / noop |")
     print("|---|---|---|---:|")
     for v in variants:

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 from . import __version__
 from .algorithms import ALGORITHMS, make_algorithm
 from .checkpoint import CheckpointError, check_resumable, read_manifest, verify
+from .cpus import CPU_BINDINGS
 from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from .data import DATASETS, DatasetError, load_dataset
 from .device import DEVICES, resolve as resolve_device
@@ -79,6 +80,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "else rank %% GPUs; NCCL when every local rank has a GPU of its own, else gloo) or auto "
                         "(cuda if available) (default: %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per worker (default: %(default)s)")
+    p.add_argument("--cpu-binding", default=d.cpu_binding, choices=CPU_BINDINGS,
+                   help="spread: bind each worker of this machine to its own slice of the cores this process "
+                        "may use (LOCAL_RANK of LOCAL_WORLD_SIZE; round-robin when there are more workers than "
+                        "cores); none: the OS places every thread. Synchronous methods gain most on a machine "
+                        "with one core per worker (docs/results.md) (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
@@ -141,7 +147,7 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         dataset=task["dataset"], data_dir=args.data_dir, workers=workers, epochs=args.epochs,
         max_steps=args.max_steps, batch_size=task["batch_size"], lr=task["lr"], momentum=args.momentum,
         weight_decay=task["weight_decay"], optimizer=task["optimizer"], lr_schedule=task["lr_schedule"],
-        warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, run_dir=run_dir, timeout_s=args.timeout_s,
+        warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, cpu_binding=args.cpu_binding, run_dir=run_dir, timeout_s=args.timeout_s,
         progress=args.progress, nonfinite=args.nonfinite, max_consecutive_skips=args.max_consecutive_skips,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, master_addr=args.master_addr,
@@ -204,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="where config, metrics and summary go (default: runs/latest)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR's run from its latest checkpoint (same flags; --epochs, "
-                        "--max-steps, --eval-every, --timeout, --nonfinite and --max-skips may change; a "
+                        "--max-steps, --eval-every, --timeout, --nonfinite, --max-skips, --threads and --cpu-binding may change; a "
                         "cosine schedule is stretched from the resume point to the new end)")
     t.add_argument("--bandwidth", default="none",
                    help="emulated per-worker link rate, e.g. 1gbit, 200mbit (needs root; default: %(default)s = loopback)")

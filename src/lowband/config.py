@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .cpus import CPU_BINDINGS
 from .data import DEFAULT_DATA_DIR
 from .device import DEVICES
 from .guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, NONFINITE_POLICIES
@@ -43,6 +44,7 @@ class TrainConfig:
     warmup_steps: int = 0         # learning-rate warm-up steps of "warmup-cosine"
     seed: int = 0
     threads: int = 1              # intra-op threads per worker
+    cpu_binding: str = "none"     # "none" | "spread": each local rank on its own cores (lowband.cpus)
     eval_every_epoch: bool = True
     eval_every_steps: Optional[int] = None   # also evaluate every N steps (accuracy-vs-time curves)
     run_dir: str = "runs/latest"
@@ -85,6 +87,8 @@ class TrainConfig:
         if self.eval_every_steps is not None:
             at_least("--eval-every", self.eval_every_steps, 1)
         at_least("--threads", self.threads, 1)
+        if self.cpu_binding not in CPU_BINDINGS:
+            raise ValueError(f"--cpu-binding must be one of: {', '.join(CPU_BINDINGS)}, got {self.cpu_binding!r}")
         number("--timeout", self.timeout_s, 0 < self.timeout_s <= MAX_TIMEOUT_S,
                f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:.0f} (a week)")
         if self.nonfinite not in NONFINITE_POLICIES:

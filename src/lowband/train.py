@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .data import ShardedBatches, load_dataset
-from . import checkpoint, device, rendezvous, tasks
+from . import checkpoint, cpus, device, rendezvous, tasks
 from .agreement import ReplicaMismatchError
 from .engine import distribute
 from .guard import NonFiniteLossError
@@ -98,6 +98,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     exactly the steps the uninterrupted run would have taken."""
     # the rank's GPU becomes current before NCCL creates its communicator (RANK: the launcher's
     # and torchrun's environment, the rank the process group takes next)
+    # first: every thread started from here on (torch's, gloo's, lowband's) inherits the cores
+    cores = cpus.bind(cfg.cpu_binding)
     dev = device.bind(cfg.device, int(os.environ.get("RANK", 0)))
     init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -240,7 +242,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         summary = {
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
             "algorithm_summary": engine.bound.summary(),
-            "workers": world, "device": str(dev), "backend": dist.get_backend(), "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
+            "workers": world, "device": str(dev), "backend": dist.get_backend(),
+            "cpu_binding": cfg.cpu_binding, "rank0_cores": cores, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
             **metrics, **tasks.describe_data(train, test),
             "wall_s": wall, "train_s": train_time,
