@@ -140,12 +140,14 @@ class _Step:
         self.codec_tasks.add(t)
         return t
 
-    def comm(self, name: str, seconds: float, wire_bytes: float, deps, shaped_bytes: Optional[float] = None) -> int:
+    def comm(self, name: str, seconds: float, wire_bytes: float, deps, shaped_bytes: Optional[float] = None,
+             meet: bool = True) -> int:
         """A collective on the link: ``seconds`` at the shaped rate, ``wire_bytes`` sent by this
         worker; ``shaped_bytes`` (default ``wire_bytes``) is what ``seconds`` charged at the
-        link's rate, which a token bucket may let through early."""
+        link's rate, which a token bucket may let through early. ``meet=False``: a call queued
+        right behind another one of the same ranks, which pays no meeting cost of its own."""
         deps = list(deps)
-        t = self.g.add(name, "net", seconds + (self.c.sync_s if self.N > 1 else 0.0), deps)
+        t = self.g.add(name, "net", seconds + (self.c.sync_s if self.N > 1 and meet else 0.0), deps)
         self.g.tasks[t].shaped_bytes = wire_bytes if shaped_bytes is None else shaped_bytes
         self.wire[t] = wire_bytes
         if self.c.comm_cpu_s_per_byte > 0 and wire_bytes > 0:
@@ -154,9 +156,10 @@ class _Step:
                                                deps, priority=0))
         return t
 
-    def allreduce(self, name: str, nbytes: float, deps) -> int:
+    def allreduce(self, name: str, nbytes: float, deps, meet: bool = True) -> int:
         from ..collectives.wire import allreduce_bytes
-        return self.comm(name, self.net.allreduce_s(nbytes, self.N), allreduce_bytes(nbytes, self.N), deps)
+        return self.comm(name, self.net.allreduce_s(nbytes, self.N), allreduce_bytes(nbytes, self.N), deps,
+                         meet=meet)
 
     def allgather(self, name: str, nbytes: float, deps) -> int:
         from ..collectives.wire import allgather_bytes
@@ -605,11 +608,21 @@ def fragment_groups(prof: Profile, count: int) -> list[list[int]]:
     return split_fragments(prof.sized_params(), count)
 
 
+def _barrier(st: _Step, name: str, deps) -> int:
+    """A synchronous round trip every replica must join (torchft's quorum and commit vote):
+    no payload, one request and one reply at the link's per-message latency, plus the cost of
+    the ranks meeting (``Cluster.sync_s``); nothing with a single replica."""
+    return st.comm(name, 2 * st.net.latency_s if st.N > 1 else 0.0, 0.0, deps)
+
+
 def _streaming_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     """Local steps; fragment j (in turn) is all-reduced every ``sync_every / fragments`` steps:
     launched after the optimizer of the step ``fragment_sync_delay`` steps before the one that
     merges it, whose end waits for it and for an outer optimizer step on the fragment (its
-    share of ``optimizer_s``)."""
+    share of ``optimizer_s``). As torchft 0.2.0 runs it: the launch waits for a synchronous
+    quorum of every replica, the fragment goes as one all-reduce per parameter
+    (``use_bucketization=False``, each call paying its own messages' latency), and the merge
+    waits for a commit vote of every replica (:func:`_barrier`)."""
     count = max(1, int(o.get("fragments", 2)))
     period = max(1, int(o.get("sync_every", 16)) // count)
     delay = max(0, int(o.get("fragment_sync_delay", 0)))
@@ -620,13 +633,18 @@ def _streaming_diloco(st: _Step, o: dict, steps: int) -> list[int]:
         _, _, b = st.forward_backward(s, [prev])
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
         prev = st.engine_overhead(s, "streaming-diloco", 0.0, prev) or prev
-        if (s + 1 + delay) % period == 0:          # launch the next fragment's all-reduce
-            nb = st.nbytes(groups[launched % count])
-            pending[s + delay] = (st.allreduce(f"s{s}/fragment {launched % count}", nb, [prev]), nb)
+        if (s + 1 + delay) % period == 0:          # quorum, then the next fragment's all-reduces
+            j = launched % count
+            prev = _barrier(st, f"s{s}/fragment {j} quorum", [prev])
+            # queued back to back behind the quorum, which the ranks have just met at
+            calls = [st.allreduce(f"s{s}/fragment {j}/{st.p.params[i].name}", float(st.p.params[i].nbytes), [prev],
+                                  meet=False) for i in groups[j]]
+            pending[s + delay] = (calls, st.nbytes(groups[j]))
             launched += 1
-        if s in pending:                           # merge: wait for it, outer step on the fragment
-            red, nb = pending.pop(s)
-            prev = st.compute(f"s{s}/outer optimizer", st.p.optimizer_s * nb / total, [prev, red])
+        if s in pending:                           # merge: wait for it, vote, outer step on the fragment
+            calls, nb = pending.pop(s)
+            vote = _barrier(st, f"s{s}/commit vote", [prev, *calls])
+            prev = st.compute(f"s{s}/outer optimizer", st.p.optimizer_s * nb / total, [vote])
         ends.append(prev)
     return ends
 
