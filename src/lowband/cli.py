@@ -83,8 +83,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-binding", default=d.cpu_binding, choices=CPU_BINDINGS,
                    help="spread: bind each worker of this machine to its own slice of the cores this process "
                         "may use (LOCAL_RANK of LOCAL_WORLD_SIZE; round-robin when there are more workers than "
-                        "cores); none: the OS places every thread. Synchronous methods gain most on a machine "
-                        "with one core per worker (docs/results.md) (default: %(default)s)")
+                        "cores); none: the OS places every thread. On a 2-core vm it made no step faster in "
+                        "lowband bench (docs/results.md) (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")

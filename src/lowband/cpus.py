@@ -7,13 +7,13 @@
   afterwards (intra-op threads, gloo's, lowband's pipeline thread) inherits the slice.
 * ``none``: the operating system places every thread.
 
-Why it matters (docs/results.md, "Thirteenth session"): on a machine with one core per worker, a
-synchronous collective wakes the waiting rank on the core of the rank whose message woke it,
-and the two ranks then share one core until the scheduler moves one back. Binding each rank to
-its own core removes that: one 4-byte all-reduce per step cost 1.12x `noop` unbound and 1.01x
-bound (cnn, 2 ranks, 2 cores). It is what ``numactl --physcpubind`` or Intel's
-``torch.backends.xeon.run_cpu`` launcher do; here it is one flag, applied the same way to every
-algorithm of a ``lowband bench`` run.
+What it did on a 2-core vm (docs/results.md, "Thirteenth session"): in a bare training loop
+(``benchmarks/sync_floor.py``) a 4-byte all-reduce per step cost 1.12x `noop` unbound and 1.01x
+bound (cnn, 2 ranks); in ``lowband bench`` it made `noop` up to 1.2 ms slower and no method
+faster beyond the noise, so it is off by default. It is what ``numactl --physcpubind`` or
+Intel's ``torch.backends.xeon.run_cpu`` launcher do, as one flag applied the same way to every
+algorithm of a ``lowband bench`` run, for machines where placement matters (several sockets, a
+GPU per rank).
 """
 from __future__ import annotations
 

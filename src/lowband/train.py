@@ -96,10 +96,10 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     """Train one worker's share; rank 0 returns (and writes) the run summary. With
     ``cfg.resume`` the run continues from the latest checkpoint in ``cfg.run_dir``, taking
     exactly the steps the uninterrupted run would have taken."""
-    # the rank's GPU becomes current before NCCL creates its communicator (RANK: the launcher's
-    # and torchrun's environment, the rank the process group takes next)
     # first: every thread started from here on (torch's, gloo's, lowband's) inherits the cores
     cores = cpus.bind(cfg.cpu_binding)
+    # the rank's GPU becomes current before NCCL creates its communicator (RANK: the launcher's
+    # and torchrun's environment, the rank the process group takes next)
     dev = device.bind(cfg.device, int(os.environ.get("RANK", 0)))
     init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
