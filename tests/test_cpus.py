@@ -41,6 +41,9 @@ def test_a_local_rank_outside_the_world_and_an_unknown_mode_are_errors():
         cpus.slice_for([0, 1], 2, 2)
     with pytest.raises(ValueError, match="--cpu-binding must be one of: none, spread"):
         cpus.bind("pinned")
+    from lowband.config import TrainConfig
+    with pytest.raises(ValueError, match="--cpu-binding must be one of: none, spread, got 'pinned'"):
+        TrainConfig(cpu_binding="pinned").validate()
 
 
 def _affinity_after_bind(mode: str, env: dict) -> list:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .cpus import CPU_BINDINGS
+from . import cpus
 from .data import DEFAULT_DATA_DIR
 from .device import DEVICES
 from .guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, NONFINITE_POLICIES
@@ -87,8 +87,7 @@ class TrainConfig:
         if self.eval_every_steps is not None:
             at_least("--eval-every", self.eval_every_steps, 1)
         at_least("--threads", self.threads, 1)
-        if self.cpu_binding not in CPU_BINDINGS:
-            raise ValueError(f"--cpu-binding must be one of: {', '.join(CPU_BINDINGS)}, got {self.cpu_binding!r}")
+        cpus.check_mode(self.cpu_binding)
         number("--timeout", self.timeout_s, 0 < self.timeout_s <= MAX_TIMEOUT_S,
                f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:.0f} (a week)")
         if self.nonfinite not in NONFINITE_POLICIES:

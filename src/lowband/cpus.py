@@ -23,6 +23,12 @@ from typing import Optional
 CPU_BINDINGS = ("none", "spread")
 
 
+def check_mode(mode: str) -> None:
+    """ValueError, one sentence naming the flag, unless ``mode`` is a binding."""
+    if mode not in CPU_BINDINGS:
+        raise ValueError(f"--cpu-binding must be one of: {', '.join(CPU_BINDINGS)}, got {mode!r}")
+
+
 def slice_for(cores: list[int], local_rank: int, local_world: int) -> list[int]:
     """The cores of local rank ``local_rank`` of ``local_world`` under ``spread``."""
     if not 0 <= local_rank < local_world:
@@ -37,8 +43,7 @@ def slice_for(cores: list[int], local_rank: int, local_world: int) -> list[int]:
 def bind(mode: str, env: Optional[dict] = None) -> Optional[list[int]]:
     """Bind this process to its slice under ``mode``; the cores it now runs on, or None when
     ``mode`` is ``none`` or the platform cannot bind (not Linux)."""
-    if mode not in CPU_BINDINGS:
-        raise ValueError(f"--cpu-binding must be one of: {', '.join(CPU_BINDINGS)}, got {mode!r}")
+    check_mode(mode)
     if mode == "none" or not hasattr(os, "sched_setaffinity"):
         return None
     env = os.environ if env is None else env
