@@ -67,18 +67,71 @@ def _skip(bc, lo, hi, absent_first):
     return skip_ranges(enc.src, enc.length, enc.c, enc.seg, lo, hi, absent)
 
 
-def _both_encodes(bc, g, e, skip):
+def _same_bits(a, b):
+    """Equal tensors, NaN where the other is NaN (payload bits of a NaN may differ)."""
+    if a is None or b is None:
+        return a is b
+    if a.dtype != torch.float32:
+        return torch.equal(a, b)
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(_bits(a[~nan]), _bits(b[~nan]))
+
+
+def _native_encode(bc, g, e, skip, simd):
+    """The native kernel's encode, with the CPU's SIMD path allowed (``simd``) or not."""
     lib = _lib()
-    outs = []
-    for native in (True, False):
-        out = torch.zeros(bc.layout.chunks * bc.layout.section, dtype=torch.uint8)
-        res = None if e is None else e.clone()
-        if native:
-            bc._encode_native(lib, g, res, out, skip)
-        else:
-            bc._encode_torch(g, res, out, skip)
-        outs.append((out, res))
-    return outs
+    out = torch.zeros(bc.layout.chunks * bc.layout.section, dtype=torch.uint8)
+    res = None if e is None else e.clone()
+    lib.lb_set_simd(int(simd))
+    try:
+        bc._encode_native(lib, g, res, out, skip)
+    finally:
+        lib.lb_set_simd(1)
+    return out, res
+
+
+def _both_encodes(bc, g, e, skip):
+    """[native, torch] encodes of one input; the native kernel's SIMD and portable paths are
+    checked against each other on the way (bit for bit)."""
+    simd = _native_encode(bc, g, e, skip, True)
+    portable = _native_encode(bc, g, e, skip, False)
+    assert torch.equal(simd[0], portable[0]) and _same_bits(simd[1], portable[1])
+    out = torch.zeros(bc.layout.chunks * bc.layout.section, dtype=torch.uint8)
+    res = None if e is None else e.clone()
+    bc._encode_torch(g, res, out, skip)
+    return [simd, (out, res)]
+
+
+def test_simd_kernel_is_used_where_the_cpu_has_it():
+    """On a CPU with AVX-512F the scale-aware encoder takes its vector path (so the tests that
+    compare it with the portable path compare two different code paths)."""
+    with open("/proc/cpuinfo") as f:
+        avx512 = " avx512f" in f.read()
+    lib = _lib()
+    assert lib.lb_set_simd(1) == int(avx512)
+    assert lib.lb_set_simd(0) == 0
+    assert lib.lb_set_simd(1) == int(avx512)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(200, 2600), min_size=1, max_size=3), chunks=st.integers(1, 3),
+       seed=st.integers(0, 2**20), ef=st.booleans(), skip=st.tuples(st.integers(0, 3000), st.integers(0, 3000)),
+       special=st.sampled_from([None, "nan", "inf", "zeros"]))
+def test_scale_aware_kernel_paths_agree_on_long_chunks(sizes, chunks, seed, ef, skip, special):
+    """Chunks of several 256-element blocks (the vector kernel's two-block and short-block
+    paths, next to skipped ranges, NaN, Inf and all-zero blocks): SIMD = portable = torch."""
+    bc = _bucket(("2bit", {"relative": 1.0, "scale_block": 256}), sizes, chunks)
+    g, e = _data(bc.layout.total, seed)
+    at = seed % bc.layout.total
+    if special == "nan":
+        g[at] = float("nan")
+    elif special == "inf":
+        g[at] = float("-inf")
+    elif special == "zeros":
+        g[at:at + 300], e[at:at + 300] = 0.0, 0.0
+    lo, hi = sorted(skip)
+    (o1, e1), (o2, e2) = _both_encodes(bc, g, e if ef else None, _skip(bc, lo, hi, False))
+    assert torch.equal(o1, o2) and _same_bits(e1, e2)
 
 
 sizes_st = st.lists(st.integers(1, 700), min_size=1, max_size=5)

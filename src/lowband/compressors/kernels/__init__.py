@@ -27,6 +27,7 @@ _SIGNATURES = {
     "lb_onebit_encode": (_int, [_p, _p, _p, _i64, _p, _p]),
     "lb_decode": (None, [_int, _p, _i64, _i64, _p, _i64, _f32, _i64, _int, _f32, _p]),
     "lb_canon_sum": (_f32, [_p, _i64]),
+    "lb_set_simd": (_int, [_int]),
     "lb_sum_rows": (None, [_p, _i64, _i64, _i64, _f32, _p]),
     "lb_sgd_pipeline": (None, [_p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _int]),
 }

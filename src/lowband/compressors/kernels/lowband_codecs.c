@@ -17,6 +17,11 @@
  * (y[j] = x[j] + x[j + w] for w = 128, 64, ..., 1), the row sums summed the same way.
  * All summed terms are >= 0, so extra zero padding never changes a result.
  * Compile with -ffp-contract=off (no FMA) and without -ffast-math.
+ *
+ * The scale-aware encoder has an AVX-512F path (blocks of <= 256 elements held in registers,
+ * two full blocks interleaved), chosen at run time from the CPU's features; it performs the
+ * same IEEE operations in the same order as the portable C, so the bits agree (tested with
+ * lb_set_simd(0) against lb_set_simd(1) and against the torch path).
  */
 #include <math.h>
 #include <stdint.h>
@@ -112,38 +117,6 @@ static void twobit_dense(const float *g, float *e, int64_t m, float t, uint8_t *
             int p = r >= t, n = r <= mt;
             codes[j] = (uint8_t)(p * 3 + n * 2);
         }
-    }
-}
-
-static void twobit_run(const float *g, float *e, int64_t src, int64_t len, int64_t c,
-                       int64_t lo, int64_t hi, float t, uint32_t *words) {
-    uint8_t codes[GROUP];
-    float mt = -t;
-    for (int64_t j0 = 0; j0 < c; j0 += GROUP) {
-        int64_t m = c - j0 < GROUP ? c - j0 : GROUP;
-        int64_t mpad = (m + 15) / 16 * 16;
-        if (j0 + m <= len && (hi <= j0 || lo >= j0 + m)) {
-            twobit_dense(g + src + j0, e ? e + src + j0 : NULL, m, t, codes);
-        } else {
-            for (int64_t j = 0; j < m; ++j) {
-                int64_t jj = j0 + j;
-                float r = chunk_r(g, e, src, len, lo, hi, jj);
-                int p = r >= t, n = r <= mt;
-                codes[j] = (uint8_t)(p * 3 + n * 2);
-                if (e && jj < len && !(jj >= lo && jj < hi)) e[src + jj] = r + mt * (float)(p - n);
-            }
-        }
-        if (mpad > m) memset(codes + m, 0, (size_t)(mpad - m));
-        pack_codes(codes, mpad, words + j0 / 16);
-    }
-}
-
-void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
-                      const int64_t *skip, float t, int32_t *dst) {
-    for (int64_t k = 0; k < nruns; ++k) {
-        const int64_t *r = runs + RUN_COLS * k;
-        int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
-        twobit_run(g, e, r[RUN_SRC], r[RUN_LEN], r[RUN_C], lo, hi, t, (uint32_t *)(dst + r[RUN_WORD]));
     }
 }
 
@@ -256,6 +229,273 @@ static float rel_block(const float *g, float *e, int64_t src, int64_t len, int64
     return v;
 }
 
+/* ---------------------------------------------------------------- AVX-512 scale-aware block */
+/* lb_set_simd(0) forces the portable path (tests, benchmarks) */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define LB_HAVE_AVX512 1
+#include <immintrin.h>
+#define LB_AVX512 __attribute__((target("avx512f")))
+
+/* SPREAD[b]: bit i of byte b (element i of 8) moved to bit 8*(i/4) + 6 - 2*(i%4), the low
+ * bit of element i's 2-bit code in MXNet's order (the high bit is one above) */
+static uint16_t SPREAD[256];
+static int spread_ready = 0;
+
+static void init_spread(void) {
+    if (spread_ready) return;
+    #pragma GCC unroll 16
+    for (int b = 0; b < 256; ++b) {
+        uint16_t w = 0;
+        for (int i = 0; i < 8; ++i)
+            if (b >> i & 1) w |= (uint16_t)(1u << (8 * (i / 4) + 6 - 2 * (i % 4)));
+        SPREAD[b] = w;
+    }
+    spread_ready = 1;
+}
+
+/* the packed word of 16 codes from their masks: +1 (p) -> 0b11, -1 (n) -> 0b10, else 0b00 */
+static inline uint32_t pack_masks(uint32_t p, uint32_t n) {
+    uint32_t nz = p | n;
+    uint32_t lo = (uint32_t)SPREAD[p & 0xff] | (uint32_t)SPREAD[p >> 8] << 16;
+    uint32_t hi = (uint32_t)SPREAD[nz & 0xff] | (uint32_t)SPREAD[nz >> 8] << 16;
+    return lo | hi << 1;
+}
+
+/* lanes [0, n) of a 16-lane mask */
+static inline __mmask16 lanes_below(int64_t n) {
+    return n <= 0 ? 0 : (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u));
+}
+
+/* the tail of fold_from on 16 values (levels 8, 4, then the last pairs), as fold_from does it */
+static inline float fold16_tail(float *x) {
+    for (int j = 0; j < 8; ++j) x[j] = x[j] + x[j + 8];
+    for (int j = 0; j < 4; ++j) x[j] = x[j] + x[j + 4];
+    x[0] = x[0] + x[2];
+    x[1] = x[1] + x[3];
+    return x[0] + x[1];
+}
+
+/* canonical fold of the 256 values t[k] + t[k+8] (k < 8) already summed at level 128 */
+LB_AVX512
+static inline float fold_regs(__m512 *y) {
+    float x[16];
+    #pragma GCC unroll 16
+    for (int k = 0; k < 4; ++k) y[k] = _mm512_add_ps(y[k], y[k + 4]);
+    y[0] = _mm512_add_ps(y[0], y[2]);
+    y[1] = _mm512_add_ps(y[1], y[3]);
+    _mm512_storeu_ps(x, _mm512_add_ps(y[0], y[1]));
+    return fold16_tail(x);
+}
+
+/* one block of L <= ROW elements, of which the first 16*NV (NV: a compile-time 1, 2, 4, 8 or
+ * 16) cover L: the vectors past NV are exact zeros, whose terms the folds may skip (every
+ * summed term is >= +0, and x + 0 == x for such x, NaN and Inf included) */
+LB_AVX512 __attribute__((always_inline))
+static inline float rel_block_nv(const float *g, float *e, int64_t src, int64_t len, int64_t lo, int64_t hi,
+                                 int64_t b0, int64_t L, float a, uint32_t *words, const int NV) {
+    __m512 r[16], y[8];
+    __mmask16 valid[16];
+    int64_t real = (len - b0 < L ? len - b0 : L);          /* real (unpadded) elements */
+    int64_t slo = lo - b0, shi = hi - b0;                   /* skipped range, block-local */
+    const float *gp = g + src + b0;
+    float *ep = e ? e + src + b0 : NULL;
+    #pragma GCC unroll 16
+    for (int k = 0; k < NV; ++k) {
+        __mmask16 m = lanes_below(real - 16 * k);
+        if (shi > slo) m &= (__mmask16)~(lanes_below(shi - 16 * k) & ~lanes_below(slo - 16 * k));
+        valid[k] = m;
+        __m512 gv = _mm512_maskz_loadu_ps(m, gp + 16 * k);
+        r[k] = ep ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, ep + 16 * k), gv) : gv;
+    }
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k)
+        y[k] = k + 8 < NV ? _mm512_add_ps(_mm512_mul_ps(r[k], r[k]), _mm512_mul_ps(r[k + 8], r[k + 8]))
+             : (k < NV ? _mm512_mul_ps(r[k], r[k]) : _mm512_setzero_ps());
+    float t = rel_threshold(fold_regs(y), L, a);
+    __m512 tv = _mm512_set1_ps(t), mtv = _mm512_set1_ps(-t);
+    int32_t nf = 0;
+    #pragma GCC unroll 16
+    for (int k = 0; k < NV; ++k) {
+        __m512 m0 = _mm512_abs_ps(r[k]);
+        __mmask16 f0 = _mm512_cmp_ps_mask(m0, tv, _CMP_GE_OQ);
+        nf += __builtin_popcount((unsigned)f0);
+        __m512 x0 = _mm512_maskz_mov_ps(f0, m0);
+        if (k < 8) y[k] = x0;
+        else y[k - 8] = _mm512_add_ps(y[k - 8], x0);
+    }
+    #pragma GCC unroll 8
+    for (int k = NV; k < 8; ++k) y[k] = _mm512_setzero_ps();
+    float sa = fold_regs(y);
+    float v = nf > 0 ? sa / (float)nf : t;
+    __m512 vv = _mm512_set1_ps(v), one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
+    int64_t nwords = (L + 15) / 16;
+    #pragma GCC unroll 16
+    for (int k = 0; k < NV; ++k) {
+        if (k >= nwords) break;
+        __mmask16 p = _mm512_cmp_ps_mask(r[k], tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(r[k], mtv, _CMP_LE_OQ);
+        if (ep) {
+            __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
+                                          n & (__mmask16)~p, mone);
+            _mm512_mask_storeu_ps(ep + 16 * k, valid[k], _mm512_sub_ps(r[k], _mm512_mul_ps(s, vv)));
+        }
+        words[(b0 >> 4) + k] |= pack_masks(p, n);
+    }
+    return v;
+}
+
+/* rel_block for a block of L <= ROW elements on AVX-512F: the block's values of r live in
+ * registers, the canonical folds are register adds, codes come from compare masks, so the
+ * block is read once from memory and e written once. Same operations in the same order as
+ * rel_block (no FMA: -ffp-contract=off), hence the same bits (tested against the portable
+ * path and the torch path). Chosen at run time when the CPU has AVX-512F. */
+LB_AVX512
+static float rel_block_avx512(const float *g, float *e, int64_t src, int64_t len, int64_t lo, int64_t hi,
+                              int64_t b0, int64_t L, float a, uint32_t *words) {
+    int64_t nv = (L + 15) / 16;
+    if (nv <= 1) return rel_block_nv(g, e, src, len, lo, hi, b0, L, a, words, 1);
+    if (nv <= 2) return rel_block_nv(g, e, src, len, lo, hi, b0, L, a, words, 2);
+    if (nv <= 4) return rel_block_nv(g, e, src, len, lo, hi, b0, L, a, words, 4);
+    if (nv <= 8) return rel_block_nv(g, e, src, len, lo, hi, b0, L, a, words, 8);
+    return rel_block_nv(g, e, src, len, lo, hi, b0, L, a, words, 16);
+}
+
+/* two full blocks at once (ROW real elements each, none skipped): rel_block_avx512's
+ * operations, interleaved so the out-of-order core overlaps one block's serial chain (fold,
+ * sqrt, fold, divide) with the other's work */
+LB_AVX512
+static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *words, float *scales) {
+    __m512 r[2][16], y[2][8];
+    float t[2], v[2];
+    #pragma GCC unroll 16
+    for (int b = 0; b < 2; ++b)
+        #pragma GCC unroll 16
+        for (int k = 0; k < 16; ++k) {
+            __m512 gv = _mm512_loadu_ps(gp + ROW * b + 16 * k);
+            r[b][k] = ep ? _mm512_add_ps(_mm512_loadu_ps(ep + ROW * b + 16 * k), gv) : gv;
+        }
+    #pragma GCC unroll 16
+    for (int b = 0; b < 2; ++b) {
+        #pragma GCC unroll 16
+        for (int k = 0; k < 8; ++k)
+            y[b][k] = _mm512_add_ps(_mm512_mul_ps(r[b][k], r[b][k]), _mm512_mul_ps(r[b][k + 8], r[b][k + 8]));
+        t[b] = rel_threshold(fold_regs(y[b]), ROW, a);
+    }
+    #pragma GCC unroll 16
+    for (int b = 0; b < 2; ++b) {
+        __m512 tv = _mm512_set1_ps(t[b]);
+        int32_t nf = 0;
+        #pragma GCC unroll 16
+        for (int k = 0; k < 8; ++k) {
+            __m512 m0 = _mm512_abs_ps(r[b][k]), m1 = _mm512_abs_ps(r[b][k + 8]);
+            __mmask16 f0 = _mm512_cmp_ps_mask(m0, tv, _CMP_GE_OQ), f1 = _mm512_cmp_ps_mask(m1, tv, _CMP_GE_OQ);
+            nf += __builtin_popcount((unsigned)f0) + __builtin_popcount((unsigned)f1);
+            y[b][k] = _mm512_add_ps(_mm512_maskz_mov_ps(f0, m0), _mm512_maskz_mov_ps(f1, m1));
+        }
+        float sa = fold_regs(y[b]);
+        v[b] = nf > 0 ? sa / (float)nf : t[b];
+        scales[b] = v[b];
+    }
+    __m512 one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
+    #pragma GCC unroll 16
+    for (int b = 0; b < 2; ++b) {
+        __m512 tv = _mm512_set1_ps(t[b]), mtv = _mm512_set1_ps(-t[b]), vv = _mm512_set1_ps(v[b]);
+        #pragma GCC unroll 16
+        for (int k = 0; k < 16; ++k) {
+            __mmask16 p = _mm512_cmp_ps_mask(r[b][k], tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(r[b][k], mtv, _CMP_LE_OQ);
+            if (ep) {
+                __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
+                                              n & (__mmask16)~p, mone);
+                _mm512_storeu_ps(ep + ROW * b + 16 * k, _mm512_sub_ps(r[b][k], _mm512_mul_ps(s, vv)));
+            }
+            words[16 * b + k] = pack_masks(p, n);
+        }
+    }
+}
+
+/* MXNet 2-bit of m <= GROUP real elements (none skipped) straight into ceil(m/16) packed words,
+ * the operations of twobit_dense per element: codes from r >= t and r <= -t, e = r + (-t)*s */
+LB_AVX512
+static void twobit_dense_avx512(const float *g, float *e, int64_t m, float t, uint32_t *words) {
+    __m512 tv = _mm512_set1_ps(t), mtv = _mm512_set1_ps(-t), one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
+    for (int64_t k = 0; 16 * k < m; ++k) {
+        __mmask16 valid = lanes_below(m - 16 * k);
+        __m512 r = _mm512_maskz_loadu_ps(valid, g + 16 * k);
+        if (e) r = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, e + 16 * k), r);
+        __mmask16 p = _mm512_cmp_ps_mask(r, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(r, mtv, _CMP_LE_OQ);
+        if (e) {
+            __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
+                                          n & (__mmask16)~p, mone);
+            _mm512_mask_storeu_ps(e + 16 * k, valid, _mm512_add_ps(r, _mm512_mul_ps(mtv, s)));
+        }
+        words[k] = pack_masks(p & valid, n & valid);
+    }
+}
+#endif
+
+static int simd_level = -1;   /* -1: not probed; 0: portable C; 1: AVX-512F */
+
+static int simd(void) {
+    if (simd_level < 0) {
+#ifdef LB_HAVE_AVX512
+        __builtin_cpu_init();
+        simd_level = __builtin_cpu_supports("avx512f") ? 1 : 0;
+        init_spread();
+#else
+        simd_level = 0;
+#endif
+    }
+    return simd_level;
+}
+
+/* for tests and benchmarks: 0 forces the portable C path, 1 allows SIMD where the CPU has it;
+ * returns the level now in use */
+int lb_set_simd(int allow) {
+    simd_level = -1;
+    if (simd() && !allow) simd_level = 0;
+    return simd_level;
+}
+
+static void twobit_run(const float *g, float *e, int64_t src, int64_t len, int64_t c,
+                       int64_t lo, int64_t hi, float t, uint32_t *words, int vec) {
+    uint8_t codes[GROUP];
+    float mt = -t;
+    for (int64_t j0 = 0; j0 < c; j0 += GROUP) {
+        int64_t m = c - j0 < GROUP ? c - j0 : GROUP;
+        int64_t mpad = (m + 15) / 16 * 16;
+#ifdef LB_HAVE_AVX512
+        if (vec && j0 + m <= len && (hi <= j0 || lo >= j0 + m)) {
+            twobit_dense_avx512(g + src + j0, e ? e + src + j0 : NULL, m, t, words + j0 / 16);
+            continue;
+        }
+#else
+        (void)vec;
+#endif
+        if (j0 + m <= len && (hi <= j0 || lo >= j0 + m)) {
+            twobit_dense(g + src + j0, e ? e + src + j0 : NULL, m, t, codes);
+        } else {
+            for (int64_t j = 0; j < m; ++j) {
+                int64_t jj = j0 + j;
+                float r = chunk_r(g, e, src, len, lo, hi, jj);
+                int p = r >= t, n = r <= mt;
+                codes[j] = (uint8_t)(p * 3 + n * 2);
+                if (e && jj < len && !(jj >= lo && jj < hi)) e[src + jj] = r + mt * (float)(p - n);
+            }
+        }
+        if (mpad > m) memset(codes + m, 0, (size_t)(mpad - m));
+        pack_codes(codes, mpad, words + j0 / 16);
+    }
+}
+
+void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
+                      const int64_t *skip, float t, int32_t *dst) {
+    int vec = simd();
+    for (int64_t k = 0; k < nruns; ++k) {
+        const int64_t *r = runs + RUN_COLS * k;
+        int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
+        twobit_run(g, e, r[RUN_SRC], r[RUN_LEN], r[RUN_C], lo, hi, t, (uint32_t *)(dst + r[RUN_WORD]), vec);
+    }
+}
+
 int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
                          const int64_t *skip, float a, int64_t bs, int32_t *dst) {
     int64_t maxL = 0;
@@ -267,6 +507,8 @@ int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t 
     float stack[3 * 1024];
     float *scratch = maxL <= 1024 ? stack : (float *)malloc((size_t)(3 * maxL) * sizeof(float));
     if (!scratch) return -1;
+    int vec = simd();
+    (void)vec;
     for (int64_t k = 0; k < nruns; ++k) {
         const int64_t *r = runs + RUN_COLS * k;
         int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
@@ -277,6 +519,18 @@ int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t 
         memset(words, 0, (size_t)((c + 15) / 16) * sizeof(uint32_t));
         for (int64_t b = 0, b0 = 0; b0 < c; ++b, b0 += B) {
             int64_t L = c - b0 < B ? c - b0 : B;
+#ifdef LB_HAVE_AVX512
+            if (vec && B == ROW && b0 + 2 * ROW <= r[RUN_LEN] && (hi <= b0 || lo >= b0 + 2 * ROW || hi <= lo)) {
+                int64_t at = r[RUN_SRC] + b0;
+                rel_block2_avx512(g + at, e ? e + at : NULL, a, words + b0 / 16, scales + b);
+                b += 1, b0 += ROW;   /* the loop's step adds the second block */
+                continue;
+            }
+            if (L <= ROW && (b0 & 15) == 0 && vec) {
+                scales[b] = rel_block_avx512(g, e, r[RUN_SRC], r[RUN_LEN], lo, hi, b0, L, a, words);
+                continue;
+            }
+#endif
             scales[b] = rel_block(g, e, r[RUN_SRC], r[RUN_LEN], lo, hi, b0, L, a, words, scratch);
         }
     }
