@@ -12,7 +12,8 @@ elements and (b) the real compressed buckets of ``cnn`` and ``resnet20`` (1 MiB 
 weights, every parameter its own segment) in the two-stage layout of N simulated workers (every
 segment cut into N chunks, each with its own scales), and decoding-and-averaging the N workers'
 payloads of one rank's chunks (bandwidth = decoded fp32 bytes, N versions counted). Kernels:
-native unless ``LOWBAND_CODEC_KERNELS=torch``. ``--table tensor`` is the per-tensor API of every
+native unless ``LOWBAND_CODEC_KERNELS=torch`` (their AVX-512F paths where the CPU has it,
+unless ``--portable``). ``--table tensor`` is the per-tensor API of every
 codec (``compress``/``decompress``).
 
 Usage::
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--portable", action="store_true",
+                        help="native kernels without their SIMD (AVX-512F) paths, for an A/B of the vector code")
     parser.add_argument("--codecs", nargs="+", default=list(COMPRESSORS) + list(VARIANTS),
                         choices=list(COMPRESSORS) + list(VARIANTS))
     args = parser.parse_args(argv)
@@ -173,7 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(os, "getloadavg"):  # other processes on the host skew the numbers; say so
         print(f"host load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     from lowband.compressors import kernels
-    print(f"codec kernels: {'native' if kernels.library() is not None else 'torch'}")
+    lib = kernels.library()
+    if lib is None:
+        print("codec kernels: torch")
+    else:
+        simd = lib.lb_set_simd(0 if args.portable else 1)
+        print(f"codec kernels: native ({'AVX-512F' if simd else 'portable C'})")
     print()
     if args.table == "bucket":
         print(run_buckets(args.sizes, args.models, args.workers, args.reps))
