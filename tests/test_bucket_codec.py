@@ -219,8 +219,21 @@ def test_fused_mxnet_equals_per_element_reference(sizes, chunks, seed):
 
 @SETTINGS
 @given(case=st.sampled_from(CODECS), sizes=sizes_st, chunks=st.integers(1, 6), sources=st.integers(1, 5),
-       seed=st.integers(0, 2**20), from_zero=st.booleans(), divisor=st.sampled_from([1.0, 3.0, 7.0]))
-def test_native_decode_accumulate_equals_torch_path(case, sizes, chunks, sources, seed, from_zero, divisor):
+       seed=st.integers(0, 2**20), from_zero=st.booleans(), divisor=st.sampled_from([1.0, 3.0, 7.0]),
+       simd=st.booleans())
+def test_native_decode_accumulate_equals_torch_path(case, sizes, chunks, sources, seed, from_zero, divisor, simd):
+    _check_decode(case, sizes, chunks, sources, seed, from_zero, divisor, simd)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("case", CODECS)
+def test_native_decode_of_long_chunks_equals_torch_path(case, simd):
+    """Chunks of several 2048-element decode tiles (and a tail), averaged over 3 sources."""
+    _check_decode(case, [5000, 4099, 300], 2, 3, 5, True, 3.0, simd)
+    _check_decode(case, [4500], 1, 2, 6, False, 1.0, simd)
+
+
+def _check_decode(case, sizes, chunks, sources, seed, from_zero, divisor, simd):
     bc = _bucket(case, sizes, chunks)
     lay = bc.layout
     # payload sections of `sources` different inputs: chunk 0 of every segment in each
@@ -237,10 +250,14 @@ def test_native_decode_accumulate_equals_torch_path(case, sizes, chunks, sources
     total = int(lay.chunk.sum())
     got, ref = torch.full((total,), 5.0), torch.full((total,), 5.0)
     lib = _lib()
-    lib.lb_decode(bc.kind, payload.data_ptr(), lay.section // 4, sources, table.ctypes.data, runs.count,
-                  float(bc.codec.threshold or 0.0) if bc.kind == 0 else 0.0,
-                  int(getattr(bc.codec, "scale_block", None) or 0) if bc.kind == 1 else 0,
-                  int(from_zero), divisor, got.data_ptr())
+    lib.lb_set_simd(int(simd))   # the AVX-512F decoder (where the CPU has it) or the portable C
+    try:
+        lib.lb_decode(bc.kind, payload.data_ptr(), lay.section // 4, sources, table.ctypes.data, runs.count,
+                      float(bc.codec.threshold or 0.0) if bc.kind == 0 else 0.0,
+                      int(getattr(bc.codec, "scale_block", None) or 0) if bc.kind == 1 else 0,
+                      int(from_zero), divisor, got.data_ptr())
+    finally:
+        lib.lb_set_simd(1)
     kernels_mode = kernels.mode
     try:
         kernels.mode = lambda: "torch"
