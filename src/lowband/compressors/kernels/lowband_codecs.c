@@ -432,17 +432,17 @@ static void twobit_dense_avx512(const float *g, float *e, int64_t m, float t, ui
 }
 
 /* decoded 2-bit values of chunk elements [j0, j0+m) (j0 a multiple of 16; kind 1: bs a
- * multiple of 16) into vals, or added to them (accumulate: vals + d, as acc_add does):
- * decode_tile's sign * scale, one packed word per vector */
+ * multiple of 16) into vals, or added to them (accumulate: vals + d, as acc_add does), then
+ * divided by divisor when it is not 1: decode_tile's sign * scale, one packed word per vector */
 LB_AVX512
 static void decode2_avx512(int kind, const int32_t *sec, int64_t sword, int64_t sscale, int64_t j0,
-                           int64_t m, float t, int64_t bs, float *vals, int accumulate) {
+                           int64_t m, float t, int64_t bs, float *vals, int accumulate, float divisor) {
     const uint32_t *words = (const uint32_t *)(sec + sword) + (j0 >> 4);
     const uint8_t *bytes = (const uint8_t *)(sec + sword);
     const float *v = (const float *)(sec + sscale);
     const __m512i shift = _mm512_set_epi32(24, 26, 28, 30, 16, 18, 20, 22, 8, 10, 12, 14, 0, 2, 4, 6);
     const __m512i three = _mm512_set1_epi32(3), two = _mm512_set1_epi32(2);
-    const __m512 one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
+    const __m512 one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f), dv = _mm512_set1_ps(divisor);
     int64_t full = m / 16;
     int64_t per = kind == 0 ? full + 1 : bs / 16;        /* vectors per scale block */
     int64_t b = kind == 0 ? 0 : j0 / bs, left = kind == 0 ? per : per - (j0 % bs) / 16;
@@ -453,15 +453,18 @@ static void decode2_avx512(int kind, const int32_t *sec, int64_t sword, int64_t 
         __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)words[k]), shift), three);
         __mmask16 p = _mm512_cmpeq_epi32_mask(code, three), n = _mm512_cmpeq_epi32_mask(code, two);
         __m512 sign = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p, one), n, mone);
-        __m512 d = _mm512_mul_ps(sign, sv);
-        _mm512_storeu_ps(vals + 16 * k, accumulate ? _mm512_add_ps(_mm512_loadu_ps(vals + 16 * k), d) : d);
+        __m512 x = _mm512_mul_ps(sign, sv);
+        if (accumulate) x = _mm512_add_ps(_mm512_loadu_ps(vals + 16 * k), x);
+        if (divisor != 1.0f) x = _mm512_div_ps(x, dv);
+        _mm512_storeu_ps(vals + 16 * k, x);
     }
     for (int64_t j = 16 * full; j < m; ++j) {
         int64_t jj = j0 + j;
         int code = (bytes[jj >> 2] >> (6 - 2 * (jj & 3))) & 3;
         float sign = code == 3 ? 1.0f : (code == 2 ? -1.0f : 0.0f);
-        float d = sign * (kind == 0 ? t : v[jj / bs]);
-        vals[j] = accumulate ? vals[j] + d : d;
+        float x = sign * (kind == 0 ? t : v[jj / bs]);
+        if (accumulate) x = vals[j] + x;
+        vals[j] = divisor != 1.0f ? x / divisor : x;
     }
 }
 #endif
@@ -724,10 +727,11 @@ static void acc_add(float *acc, const float *vals, int64_t m) {
 /* one source's decoded tile into a (accumulate: a = a + d): decode_tile (+ acc_add through the
  * scratch vals), or the AVX-512F path for 2-bit payloads whose scale blocks hold whole vectors */
 static inline void decode_into(int vec, int kind, const int32_t *sec, int64_t sword, int64_t sscale,
-                               int64_t j0, int64_t m, float t, int64_t bs, float *a, int accumulate, float *vals) {
+                               int64_t j0, int64_t m, float t, int64_t bs, float *a, int accumulate,
+                               float divisor, float *vals) {
 #ifdef LB_HAVE_AVX512
     if (vec && kind != 2 && (j0 & 15) == 0 && (kind == 0 || (bs & 15) == 0)) {
-        decode2_avx512(kind, sec, sword, sscale, j0, m, t, bs, a, accumulate);
+        decode2_avx512(kind, sec, sword, sscale, j0, m, t, bs, a, accumulate, divisor);
         return;
     }
 #else
@@ -735,15 +739,16 @@ static inline void decode_into(int vec, int kind, const int32_t *sec, int64_t sw
 #endif
     if (!accumulate) {
         decode_tile(kind, sec, sword, sscale, j0, m, t, bs, a);
-        return;
+    } else {
+        decode_tile(kind, sec, sword, sscale, j0, m, t, bs, vals);
+        acc_add(a, vals, m);
     }
-    decode_tile(kind, sec, sword, sscale, j0, m, t, bs, vals);
-    acc_add(a, vals, m);
+    if (divisor != 1.0f) for (int64_t j = 0; j < m; ++j) a[j] = a[j] / divisor;
 }
 
 void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const int64_t *runs,
                int64_t nruns, float t, int64_t bs, int from_zero, float divisor, float *out) {
-    float acc[TILE], vals[TILE];
+    float vals[TILE];
     int vec = simd();
     init_lut();
     for (int64_t k = 0; k < nruns; ++k) {
@@ -752,14 +757,16 @@ void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const in
         int64_t B = bs > 0 ? bs : (c > 0 ? c : 1);
         for (int64_t j0 = 0; j0 < len; j0 += TILE) {
             int64_t m = len - j0 < TILE ? len - j0 : TILE;
-            float *a = (K == 1 && !from_zero && divisor == 1.0f) ? out + dst + j0 : acc;
+            float *a = out + dst + j0;   /* accumulated in place; the last source divides */
             for (int64_t q = 0; q < K; ++q) {
                 if (q == 0 && from_zero) for (int64_t j = 0; j < m; ++j) a[j] = 0.0f;
-                decode_into(vec, kind, src + q * stride, sword, sscale, j0, m, t, B, a, q > 0 || from_zero, vals);
+                decode_into(vec, kind, src + q * stride, sword, sscale, j0, m, t, B, a, q > 0 || from_zero,
+                            q == K - 1 ? divisor : 1.0f, vals);
             }
-            if (K == 0) for (int64_t j = 0; j < m; ++j) a[j] = 0.0f;
-            if (divisor != 1.0f) for (int64_t j = 0; j < m; ++j) a[j] = a[j] / divisor;
-            if (a != out + dst + j0) memcpy(out + dst + j0, a, (size_t)m * sizeof(float));
+            if (K == 0) {
+                for (int64_t j = 0; j < m; ++j) a[j] = 0.0f;
+                if (divisor != 1.0f) for (int64_t j = 0; j < m; ++j) a[j] = a[j] / divisor;
+            }
         }
     }
 }
