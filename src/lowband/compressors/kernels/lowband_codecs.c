@@ -467,6 +467,47 @@ static void decode2_avx512(int kind, const int32_t *sec, int64_t sword, int64_t 
         vals[j] = divisor != 1.0f ? x / divisor : x;
     }
 }
+
+/* bit q of a byte at position 7 - q (the 1-bit payload's order, MSB first) -> bit q */
+static uint8_t REV8[256];
+static int rev8_ready = 0;
+static void init_rev8(void) {
+    if (rev8_ready) return;
+    for (int b = 0; b < 256; ++b) {
+        int r = 0;
+        for (int q = 0; q < 8; ++q) r |= ((b >> (7 - q)) & 1) << q;
+        REV8[b] = (uint8_t)r;
+    }
+    rev8_ready = 1;
+}
+
+/* decoded 1-bit values of chunk elements [j0, j0+m) (j0 a multiple of 8) into vals, or added
+ * to them (accumulate), then divided by divisor when it is not 1: decode_tile's value
+ * (the scale's bits with the payload bit as the sign bit), 16 elements (two bytes) per vector */
+LB_AVX512
+static void decode1_avx512(const int32_t *sec, int64_t sword, int64_t sscale, int64_t j0, int64_t m,
+                           float *vals, int accumulate, float divisor) {
+    const uint8_t *bytes = (const uint8_t *)(sec + sword) + (j0 >> 3);
+    uint32_t sb;
+    memcpy(&sb, sec + sscale, 4);
+    const __m512i sbv = _mm512_set1_epi32((int)sb), sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512 dv = _mm512_set1_ps(divisor);
+    int64_t full = m / 16;
+    for (int64_t k = 0; k < full; ++k) {
+        __mmask16 neg = (__mmask16)(REV8[bytes[2 * k]] | (uint32_t)REV8[bytes[2 * k + 1]] << 8);
+        __m512 x = _mm512_castsi512_ps(_mm512_mask_or_epi32(sbv, neg, sbv, sign));
+        if (accumulate) x = _mm512_add_ps(_mm512_loadu_ps(vals + 16 * k), x);
+        if (divisor != 1.0f) x = _mm512_div_ps(x, dv);
+        _mm512_storeu_ps(vals + 16 * k, x);
+    }
+    for (int64_t j = 16 * full; j < m; ++j) {
+        uint32_t w = sb | ((uint32_t)((bytes[j >> 3] >> (7 - (j & 7))) & 1) << 31);
+        float x;
+        memcpy(&x, &w, 4);
+        if (accumulate) x = vals[j] + x;
+        vals[j] = divisor != 1.0f ? x / divisor : x;
+    }
+}
 #endif
 
 /* ---------------------------------------------------------------- 2-bit encoders: dispatch */
@@ -478,6 +519,7 @@ static int simd(void) {
         __builtin_cpu_init();
         simd_level = __builtin_cpu_supports("avx512f") ? 1 : 0;
         init_spread();
+        init_rev8();
 #else
         simd_level = 0;
 #endif
@@ -725,13 +767,18 @@ static void acc_add(float *acc, const float *vals, int64_t m) {
 }
 
 /* one source's decoded tile into a (accumulate: a = a + d): decode_tile (+ acc_add through the
- * scratch vals), or the AVX-512F path for 2-bit payloads whose scale blocks hold whole vectors */
+ * scratch vals), or the AVX-512F paths: 2-bit payloads whose scale blocks hold whole vectors,
+ * and 1-bit payloads */
 static inline void decode_into(int vec, int kind, const int32_t *sec, int64_t sword, int64_t sscale,
                                int64_t j0, int64_t m, float t, int64_t bs, float *a, int accumulate,
                                float divisor, float *vals) {
 #ifdef LB_HAVE_AVX512
     if (vec && kind != 2 && (j0 & 15) == 0 && (kind == 0 || (bs & 15) == 0)) {
         decode2_avx512(kind, sec, sword, sscale, j0, m, t, bs, a, accumulate, divisor);
+        return;
+    }
+    if (vec && kind == 2 && (j0 & 7) == 0) {
+        decode1_avx512(sec, sword, sscale, j0, m, a, accumulate, divisor);
         return;
     }
 #else
