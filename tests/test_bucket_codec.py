@@ -134,6 +134,18 @@ def test_scale_aware_kernel_paths_agree_on_long_chunks(sizes, chunks, seed, ef, 
     assert torch.equal(o1, o2) and _same_bits(e1, e2)
 
 
+@pytest.mark.parametrize("chunks, ef", [(1, True), (2, False), (3, True)])
+def test_scale_aware_kernel_of_a_large_call_equals_torch_path(chunks, ef):
+    """A call of more than 2**20 elements takes the one-block vector path for every block (the
+    two-block kernel only below that size): SIMD = portable = torch there too."""
+    bc = _bucket(("2bit", {"relative": 1.0, "scale_block": 256}), [600_000, 500_001, 1000], chunks)
+    assert bc.layout.total > 1 << 20
+    g, e = _data(bc.layout.total, 11 + chunks)
+    g[123_457] = float("nan")
+    (o1, e1), (o2, e2) = _both_encodes(bc, g, e if ef else None, _skip(bc, 70_000, 90_000, False))
+    assert torch.equal(o1, o2) and _same_bits(e1, e2)
+
+
 sizes_st = st.lists(st.integers(1, 700), min_size=1, max_size=5)
 
 
