@@ -266,25 +266,22 @@ static inline __mmask16 lanes_below(int64_t n) {
     return n <= 0 ? 0 : (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u));
 }
 
-/* the tail of fold_from on 16 values (levels 8, 4, then the last pairs), as fold_from does it */
-static inline float fold16_tail(float *x) {
-    for (int j = 0; j < 8; ++j) x[j] = x[j] + x[j + 8];
-    for (int j = 0; j < 4; ++j) x[j] = x[j] + x[j + 4];
-    x[0] = x[0] + x[2];
-    x[1] = x[1] + x[3];
-    return x[0] + x[1];
-}
-
-/* canonical fold of the 256 values t[k] + t[k+8] (k < 8) already summed at level 128 */
+/* canonical fold of the 256 values t[k] + t[k+8] (k < 8) already summed at level 128; the last
+ * 16 values fold in registers, pair for pair as fold_from's last levels (x[j] + x[j+8],
+ * x[j] + x[j+4], x0 + x2 and x1 + x3, x0 + x1), so no store-to-load round trip sits on the
+ * block's serial chain */
 LB_AVX512
 static inline float fold_regs(__m512 *y) {
-    float x[16];
     #pragma GCC unroll 16
     for (int k = 0; k < 4; ++k) y[k] = _mm512_add_ps(y[k], y[k + 4]);
     y[0] = _mm512_add_ps(y[0], y[2]);
     y[1] = _mm512_add_ps(y[1], y[3]);
-    _mm512_storeu_ps(x, _mm512_add_ps(y[0], y[1]));
-    return fold16_tail(x);
+    __m512 z = _mm512_add_ps(y[0], y[1]);
+    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(z),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+    __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+    __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+    return _mm_cvtss_f32(_mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1)));
 }
 
 /* one block of L <= ROW elements, of which the first 16*NV (NV: a compile-time 1, 2, 4, 8 or
