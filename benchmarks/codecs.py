@@ -20,6 +20,11 @@ Usage::
 
     PYTHONPATH=src python benchmarks/codecs.py                          # bucket codecs
     PYTHONPATH=src python benchmarks/codecs.py --table tensor --quick   # every codec, 1M
+    PYTHONPATH=src python benchmarks/codecs.py --ab old.so new.so --sizes 1000000 --models cnn
+
+``--ab`` times two builds of the codec library (copies of ``_lowband_codecs*.so``) in one
+process, interleaved round by round: on a shared host the same kernel moves 30-40% between
+runs a minute apart, which a run per build cannot tell from a change.
 """
 
 from __future__ import annotations
@@ -111,10 +116,11 @@ def model_buckets(name: str, bucket_mb: float = 1.0) -> list[list[tuple[str, int
     return [[(named[i][0], params[i].numel()) for i in g] for k, g in groups if k]
 
 
-def run_buckets(sizes: list[int], models: list[str], workers: list[int], reps: int) -> str:
+def bucket_cases(sizes: list[int], models: list[str], workers: list[int], reps: int):
+    """Every case of the bucket table: ``(label, layout, title, clone_bw, encode, decode,
+    encoded_bytes, decoded_bytes)`` with ``encode`` / ``decode`` callables (the inputs built once,
+    ``clone`` of the same elements timed with them)."""
     from lowband.collectives.compressed import make_plan
-    lines = ["| input | layout | codec | encode+EF GB/s | x clone | decode+average GB/s | x clone |",
-             "|---|---|---|---|---|---|---|"]
     gen = torch.Generator().manual_seed(0)
     cases = [(f"{n:,} elements", [[("x", n)]], [1]) for n in sizes]
     cases += [(f"{m} buckets", model_buckets(m), workers) for m in models]
@@ -122,12 +128,11 @@ def run_buckets(sizes: list[int], models: list[str], workers: list[int], reps: i
         total = sum(n for b in buckets for _, n in b)
         x = torch.randn(total, generator=gen)
         clone_bw = total * FP32_BYTES / GB / best_time(lambda: x.clone(), reps)
-        lines.append(f"| {label} ({total:,}) | | torch.clone | {clone_bw:.2f} | 1.00 | | |")
         for world in ns:
             for title, codec_name, options in BUCKET_CODECS:
                 codec = make_compressor(codec_name, **options)
                 plans = [make_plan("two-stage", world, 0, b, codec) for b in buckets]
-                gs, es, sends, recvs, avgs = [], [], [], [], []
+                gs, es, sends, avgs = [], [], [], []
                 offset = 0
                 for p in plans:
                     gs.append(x[offset:offset + p.numel])
@@ -136,20 +141,62 @@ def run_buckets(sizes: list[int], models: list[str], workers: list[int], reps: i
                     sends.append(torch.zeros(world * p.layout.section, dtype=torch.uint8))
                     avgs.append(torch.empty(p.server_layout.total))
 
-                def encode():
+                def encode(plans=plans, gs=gs, es=es, sends=sends):
                     for p, g, e, out in zip(plans, gs, es, sends):
                         p.worker.encode(g, e, out)
 
-                def decode():
+                def decode(plans=plans, sends=sends, avgs=avgs, world=world):
                     for p, src, out in zip(plans, sends, avgs):
                         p.worker.decode(src, world, p.dec1, p.dec1_table, out, True, float(world))
-                enc_bw = total * FP32_BYTES / GB / best_time(encode, reps)
                 decoded = world * sum(int(p.server_layout.total) for p in plans)
-                dec_bw = decoded * FP32_BYTES / GB / best_time(decode, reps)
                 layout = "flat, N=1" if world == 1 else f"two-stage, N={world}"
-                lines.append(f"| {label} | {layout} | {title} | {enc_bw:.2f} | {enc_bw / clone_bw:.2f} | "
-                             f"{dec_bw:.2f} | {dec_bw / clone_bw:.2f} |")
-                print(lines[-1], file=sys.stderr, flush=True)
+                yield (f"{label} ({total:,})", layout, title, clone_bw, encode, decode,
+                       total * FP32_BYTES, decoded * FP32_BYTES)
+
+
+def run_buckets(sizes: list[int], models: list[str], workers: list[int], reps: int) -> str:
+    lines = ["| input | layout | codec | encode+EF GB/s | x clone | decode+average GB/s | x clone |",
+             "|---|---|---|---|---|---|---|"]
+    shown = set()
+    for label, layout, title, clone_bw, encode, decode, enc_bytes, dec_bytes in \
+            bucket_cases(sizes, models, workers, reps):
+        if label not in shown:
+            shown.add(label)
+            lines.append(f"| {label} | | torch.clone | {clone_bw:.2f} | 1.00 | | |")
+        label = label.rsplit(" (", 1)[0]
+        enc_bw = enc_bytes / GB / best_time(encode, reps)
+        dec_bw = dec_bytes / GB / best_time(decode, reps)
+        lines.append(f"| {label} | {layout} | {title} | {enc_bw:.2f} | {enc_bw / clone_bw:.2f} | "
+                     f"{dec_bw:.2f} | {dec_bw / clone_bw:.2f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
+def run_ab(paths: list[str], sizes: list[int], models: list[str], workers: list[int], reps: int,
+           rounds: int) -> str:
+    """Two builds of the codec library in one process, interleaved: each round times every
+    case with build A, then with build B (best of ``reps`` calls each), so the host's drift
+    lands on both alike. Reported: the median and the best round per build, and B / A."""
+    from lowband.compressors import kernels
+    libs = [kernels.open_library(p) for p in paths]
+    lines = [f"A = {paths[0]}, B = {paths[1]}; {rounds} interleaved rounds, best of {reps} calls each",
+             "",
+             "| input | layout | codec | encode GB/s A median (best) | B median (best) | B / A (median) | "
+             "decode GB/s A median (best) | B median (best) | B / A (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, layout, title, _, encode, decode, enc_bytes, dec_bytes in bucket_cases(sizes, models, workers, reps):
+        bw = {(k, which): [] for k in range(2) for which in ("enc", "dec")}
+        for _ in range(rounds):
+            for k, lib in enumerate(libs):
+                with kernels.using(lib):
+                    bw[(k, "enc")].append(enc_bytes / GB / best_time(encode, reps))
+                    bw[(k, "dec")].append(dec_bytes / GB / best_time(decode, reps))
+        cells = []
+        for which in ("enc", "dec"):
+            med = [sorted(bw[(k, which)])[rounds // 2] for k in range(2)]
+            cells += [f"{med[k]:.2f} ({max(bw[(k, which)]):.2f})" for k in range(2)] + [f"{med[1] / med[0]:.2f}"]
+        lines.append(f"| {label.rsplit(' (', 1)[0]} | {layout} | {title} | " + " | ".join(cells) + " |")
+        print(lines[-1], file=sys.stderr, flush=True)
     return "\n".join(lines)
 
 
@@ -166,7 +213,24 @@ def main(argv: list[str] | None = None) -> None:
                         help="native kernels without their SIMD (AVX-512F) paths, for an A/B of the vector code")
     parser.add_argument("--codecs", nargs="+", default=list(COMPRESSORS) + list(VARIANTS),
                         choices=list(COMPRESSORS) + list(VARIANTS))
+    parser.add_argument("--ab", nargs=2, metavar=("LIB_A", "LIB_B"),
+                        help="bucket table only: A/B of two builds of the codec library (.so files) in one "
+                             "process, interleaved round by round")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds of --ab")
     args = parser.parse_args(argv)
+    if args.ab:
+        if args.table != "bucket":
+            parser.error("--ab times the bucket table only")
+        if args.portable:
+            parser.error("--ab compares two builds; --portable applies to the installed one only")
+        if args.rounds < 1:
+            parser.error(f"--rounds must be >= 1, got {args.rounds}")
+        from lowband.compressors import kernels
+        for path in args.ab:
+            try:
+                kernels.open_library(path)
+            except (OSError, AttributeError) as exc:
+                parser.error(f"--ab: {path} is not a build of the codec library: {exc}")
     if args.quick:
         args.sizes, args.reps = [1_000_000], 3
     torch.set_num_threads(args.threads)
@@ -183,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         simd = lib.lb_set_simd(0 if args.portable else 1)
         print(f"codec kernels: native ({'AVX-512F' if simd else 'portable C'})")
     print()
-    if args.table == "bucket":
+    if args.ab:
+        print(run_ab(args.ab, args.sizes, args.models, args.workers, args.reps, args.rounds))
+    elif args.table == "bucket":
         print(run_buckets(args.sizes, args.models, args.workers, args.reps))
     else:
         print(run(args.sizes, args.reps, args.codecs))

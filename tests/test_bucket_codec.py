@@ -113,6 +113,30 @@ def test_simd_kernel_is_used_where_the_cpu_has_it():
     assert lib.lb_set_simd(1) == int(avx512)
 
 
+def test_another_build_serves_the_codecs_inside_using(tmp_path):
+    """``kernels.using`` (the A/B benchmark's switch) routes the codecs to another build of the
+    library for the block only, and a copy of the same build gives the same bits."""
+    import glob
+    import os
+    import shutil
+    installed = _lib()
+    here = os.path.dirname(os.path.abspath(kernels.__file__))
+    copy = tmp_path / "copy.so"
+    shutil.copy(sorted(glob.glob(os.path.join(here, "_lowband_codecs*.so")))[0], copy)
+    other = kernels.open_library(str(copy))
+    bc = _bucket(("2bit", {"relative": 1.0, "scale_block": 256}), [3000, 700], 2)
+    g, e = _data(bc.layout.total, 4)
+    outs = []
+    for lib in (installed, other):
+        with kernels.using(lib):
+            assert kernels.library() is lib
+            out, res = torch.zeros(2 * bc.layout.section, dtype=torch.uint8), e.clone()
+            bc.encode(g, res, out)
+            outs.append((out, res))
+    assert kernels.library() is installed
+    assert torch.equal(outs[0][0], outs[1][0]) and _same_bits(outs[0][1], outs[1][1])
+
+
 @settings(max_examples=25, deadline=None)
 @given(sizes=st.lists(st.integers(200, 2600), min_size=1, max_size=3), chunks=st.integers(1, 3),
        seed=st.integers(0, 2**20), ef=st.booleans(), skip=st.tuples(st.integers(0, 3000), st.integers(0, 3000)),

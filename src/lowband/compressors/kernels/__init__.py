@@ -8,10 +8,11 @@ bucket really runs beside the training thread.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 ENV = "LOWBAND_CODEC_KERNELS"
 CHOICES = ("auto", "native", "torch")
@@ -41,6 +42,16 @@ def mode() -> str:
     return value
 
 
+def open_library(path: str) -> ctypes.CDLL:
+    """A build of the codec library at ``path``, with its functions' signatures set
+    (``OSError`` / ``AttributeError`` when it cannot be loaded or lacks a function)."""
+    lib = ctypes.CDLL(path)
+    for name, (res, args) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
 def _load() -> None:
     global _lib, _error, _loaded
     _loaded = True
@@ -50,14 +61,24 @@ def _load() -> None:
         _error = f"native codec library not built in {here} (reinstall lowband with a C compiler)"
         return
     try:
-        lib = ctypes.CDLL(found[0])
-        for name, (res, args) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
+        lib = open_library(found[0])
     except (OSError, AttributeError) as exc:
         _error = f"native codec library {found[0]} failed to load: {exc}"
         return
     _lib = lib
+
+
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL) -> Iterator[None]:
+    """Within the block, the codecs call ``lib`` (another build, from :func:`open_library`)
+    instead of the installed one: for A/B benchmarks of two builds in one process."""
+    global _lib, _loaded
+    saved = (_lib, _loaded)
+    _lib, _loaded = lib, True
+    try:
+        yield
+    finally:
+        _lib, _loaded = saved
 
 
 def library() -> Optional[ctypes.CDLL]:
