@@ -574,10 +574,10 @@ void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nru
 }
 
 /* Calls of at most this many real elements take the two-block kernel for full blocks, larger
- * ones one block at a time: the two-block kernel is ~10% faster while the data is cache-resident
- * (ResNet-20's and cnn's 1 MiB buckets) but falls to about half the one-block speed once the call
- * streams from memory (2M-25M elements: 4.3-6.7 GB/s against 8.6-9.7, docs/codecs.md). The
- * paths give the same bits. */
+ * ones one block at a time: the two-block kernel is 3-15% faster while the data is cache-resident
+ * (ResNet-20's and cnn's 1 MiB buckets, flat calls up to 1M elements) but slower from 2M elements
+ * on, about half the one-block speed at 4M-25M where the call streams from memory (docs/codecs.md).
+ * The paths give the same bits. */
 #define LB_PAIR_MAX_ELEMS (1 << 20)
 
 int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
