@@ -358,23 +358,22 @@ static float rel_block_avx512(const float *g, float *e, int64_t src, int64_t len
 
 /* two full blocks at once (ROW real elements each, none skipped): rel_block_avx512's
  * operations, interleaved so the out-of-order core overlaps one block's serial chain (fold,
- * sqrt, fold, divide) with the other's work */
+ * sqrt, fold, divide) with the other's work. r = e + g is recomputed from L1 in each pass
+ * instead of held (32 registers would spill): 3-8% faster on the 1 MiB buckets (--ab) */
 LB_AVX512
 static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *words, float *scales) {
-    __m512 r[2][16], y[2][8];
+    __m512 y[2][8];
     float t[2], v[2];
-    #pragma GCC unroll 16
-    for (int b = 0; b < 2; ++b)
-        #pragma GCC unroll 16
-        for (int k = 0; k < 16; ++k) {
-            __m512 gv = _mm512_loadu_ps(gp + ROW * b + 16 * k);
-            r[b][k] = ep ? _mm512_add_ps(_mm512_loadu_ps(ep + ROW * b + 16 * k), gv) : gv;
-        }
+#define R2(b, k) (ep ? _mm512_add_ps(_mm512_loadu_ps(ep + ROW * (b) + 16 * (k)), _mm512_loadu_ps(gp + ROW * (b) + 16 * (k))) \
+                     : _mm512_loadu_ps(gp + ROW * (b) + 16 * (k)))
     #pragma GCC unroll 16
     for (int b = 0; b < 2; ++b) {
         #pragma GCC unroll 16
         for (int k = 0; k < 8; ++k)
-            y[b][k] = _mm512_add_ps(_mm512_mul_ps(r[b][k], r[b][k]), _mm512_mul_ps(r[b][k + 8], r[b][k + 8]));
+        {
+            __m512 r0 = R2(b, k), r1 = R2(b, k + 8);
+            y[b][k] = _mm512_add_ps(_mm512_mul_ps(r0, r0), _mm512_mul_ps(r1, r1));
+        }
         t[b] = rel_threshold(fold_regs(y[b]), ROW, a);
     }
     #pragma GCC unroll 16
@@ -383,7 +382,7 @@ static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *wor
         int32_t nf = 0;
         #pragma GCC unroll 16
         for (int k = 0; k < 8; ++k) {
-            __m512 m0 = _mm512_abs_ps(r[b][k]), m1 = _mm512_abs_ps(r[b][k + 8]);
+            __m512 m0 = _mm512_abs_ps(R2(b, k)), m1 = _mm512_abs_ps(R2(b, k + 8));
             __mmask16 f0 = _mm512_cmp_ps_mask(m0, tv, _CMP_GE_OQ), f1 = _mm512_cmp_ps_mask(m1, tv, _CMP_GE_OQ);
             nf += __builtin_popcount((unsigned)f0) + __builtin_popcount((unsigned)f1);
             y[b][k] = _mm512_add_ps(_mm512_maskz_mov_ps(f0, m0), _mm512_maskz_mov_ps(f1, m1));
@@ -398,15 +397,17 @@ static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *wor
         __m512 tv = _mm512_set1_ps(t[b]), mtv = _mm512_set1_ps(-t[b]), vv = _mm512_set1_ps(v[b]);
         #pragma GCC unroll 16
         for (int k = 0; k < 16; ++k) {
-            __mmask16 p = _mm512_cmp_ps_mask(r[b][k], tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(r[b][k], mtv, _CMP_LE_OQ);
+            __m512 rk = R2(b, k);
+            __mmask16 p = _mm512_cmp_ps_mask(rk, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(rk, mtv, _CMP_LE_OQ);
             if (ep) {
                 __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
                                               n & (__mmask16)~p, mone);
-                _mm512_storeu_ps(ep + ROW * b + 16 * k, _mm512_sub_ps(r[b][k], _mm512_mul_ps(s, vv)));
+                _mm512_storeu_ps(ep + ROW * b + 16 * k, _mm512_sub_ps(rk, _mm512_mul_ps(s, vv)));
             }
             words[16 * b + k] = pack_masks(p, n);
         }
     }
+#undef R2
 }
 
 /* MXNet 2-bit of m <= GROUP real elements (none skipped) straight into ceil(m/16) packed words,
