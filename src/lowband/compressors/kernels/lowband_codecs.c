@@ -429,6 +429,20 @@ static void twobit_dense_avx512(const float *g, float *e, int64_t m, float t, ui
     }
 }
 
+/* the vector decoders' last step, for 16 values and for one: added to what dst holds
+ * (accumulate), divided by divisor when it is not 1, stored */
+LB_AVX512
+static inline void put16(float *dst, __m512 x, int accumulate, float divisor) {
+    if (accumulate) x = _mm512_add_ps(_mm512_loadu_ps(dst), x);
+    if (divisor != 1.0f) x = _mm512_div_ps(x, _mm512_set1_ps(divisor));
+    _mm512_storeu_ps(dst, x);
+}
+
+static inline void put1(float *dst, float x, int accumulate, float divisor) {
+    if (accumulate) x = *dst + x;
+    *dst = divisor != 1.0f ? x / divisor : x;
+}
+
 /* decoded 2-bit values of chunk elements [j0, j0+m) (j0 a multiple of 16; kind 1: bs a
  * multiple of 16) into vals, or added to them (accumulate: vals + d, as acc_add does), then
  * divided by divisor when it is not 1: decode_tile's sign * scale, one packed word per vector */
@@ -440,7 +454,7 @@ static void decode2_avx512(int kind, const int32_t *sec, int64_t sword, int64_t 
     const float *v = (const float *)(sec + sscale);
     const __m512i shift = _mm512_set_epi32(24, 26, 28, 30, 16, 18, 20, 22, 8, 10, 12, 14, 0, 2, 4, 6);
     const __m512i three = _mm512_set1_epi32(3), two = _mm512_set1_epi32(2);
-    const __m512 one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f), dv = _mm512_set1_ps(divisor);
+    const __m512 one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
     int64_t full = m / 16;
     int64_t per = kind == 0 ? full + 1 : bs / 16;        /* vectors per scale block */
     int64_t b = kind == 0 ? 0 : j0 / bs, left = kind == 0 ? per : per - (j0 % bs) / 16;
@@ -451,18 +465,13 @@ static void decode2_avx512(int kind, const int32_t *sec, int64_t sword, int64_t 
         __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)words[k]), shift), three);
         __mmask16 p = _mm512_cmpeq_epi32_mask(code, three), n = _mm512_cmpeq_epi32_mask(code, two);
         __m512 sign = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p, one), n, mone);
-        __m512 x = _mm512_mul_ps(sign, sv);
-        if (accumulate) x = _mm512_add_ps(_mm512_loadu_ps(vals + 16 * k), x);
-        if (divisor != 1.0f) x = _mm512_div_ps(x, dv);
-        _mm512_storeu_ps(vals + 16 * k, x);
+        put16(vals + 16 * k, _mm512_mul_ps(sign, sv), accumulate, divisor);
     }
     for (int64_t j = 16 * full; j < m; ++j) {
         int64_t jj = j0 + j;
         int code = (bytes[jj >> 2] >> (6 - 2 * (jj & 3))) & 3;
         float sign = code == 3 ? 1.0f : (code == 2 ? -1.0f : 0.0f);
-        float x = sign * (kind == 0 ? t : v[jj / bs]);
-        if (accumulate) x = vals[j] + x;
-        vals[j] = divisor != 1.0f ? x / divisor : x;
+        put1(vals + j, sign * (kind == 0 ? t : v[jj / bs]), accumulate, divisor);
     }
 }
 
@@ -489,21 +498,16 @@ static void decode1_avx512(const int32_t *sec, int64_t sword, int64_t sscale, in
     uint32_t sb;
     memcpy(&sb, sec + sscale, 4);
     const __m512i sbv = _mm512_set1_epi32((int)sb), sign = _mm512_set1_epi32((int)0x80000000u);
-    const __m512 dv = _mm512_set1_ps(divisor);
     int64_t full = m / 16;
     for (int64_t k = 0; k < full; ++k) {
         __mmask16 neg = (__mmask16)(REV8[bytes[2 * k]] | (uint32_t)REV8[bytes[2 * k + 1]] << 8);
-        __m512 x = _mm512_castsi512_ps(_mm512_mask_or_epi32(sbv, neg, sbv, sign));
-        if (accumulate) x = _mm512_add_ps(_mm512_loadu_ps(vals + 16 * k), x);
-        if (divisor != 1.0f) x = _mm512_div_ps(x, dv);
-        _mm512_storeu_ps(vals + 16 * k, x);
+        put16(vals + 16 * k, _mm512_castsi512_ps(_mm512_mask_or_epi32(sbv, neg, sbv, sign)), accumulate, divisor);
     }
     for (int64_t j = 16 * full; j < m; ++j) {
         uint32_t w = sb | ((uint32_t)((bytes[j >> 3] >> (7 - (j & 7))) & 1) << 31);
         float x;
         memcpy(&x, &w, 4);
-        if (accumulate) x = vals[j] + x;
-        vals[j] = divisor != 1.0f ? x / divisor : x;
+        put1(vals + j, x, accumulate, divisor);
     }
 }
 #endif
