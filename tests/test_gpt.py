@@ -10,7 +10,8 @@ import torch
 import lowband
 from lowband import schedule as schedules, tasks
 from lowband.data import TEXT_WINDOW, ShardedBatches, TextWindows
-from lowband.models import GPT, make_model
+from lowband.algorithms.lazy import ForwardOrder, LazyPlan, input_side_layers
+from lowband.models import GPT, NgramGPT, make_model, ngram_hashes
 
 from .distributed import run_distributed
 from .training import max_rel_err, train
@@ -25,10 +26,10 @@ def small_gpt() -> GPT:
     return GPT(context=WINDOW, d_model=32, n_layers=2, n_heads=4)
 
 
-def text_data() -> TextWindows:
+def text_data(repeats: int = 40) -> TextWindows:
     g = torch.Generator().manual_seed(7)
     # a learnable stream: a short repeated phrase with random bytes mixed in
-    stream = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 40), dtype=torch.uint8)
+    stream = torch.tensor(list(b"def f(x):\n    return x + 1\n" * repeats), dtype=torch.uint8)
     noise = torch.rand(stream.numel(), generator=g) < 0.1
     stream[noise] = torch.randint(0, 256, (int(noise.sum()),), generator=g, dtype=torch.uint8)
     starts = torch.arange(0, stream.numel() - WINDOW - 1, WINDOW)
@@ -118,3 +119,96 @@ def test_pairing_of_model_and_dataset():
         tasks.check_pairing("cnn", "python-stdlib")
     tasks.check_pairing("gpt", "python-stdlib")
     tasks.check_pairing("cnn", "fashion-mnist")
+
+
+# -- gpt-ngram: hashed n-gram input embeddings (a heavy input side) ---------------------------
+
+def small_ngram_gpt() -> NgramGPT:
+    torch.manual_seed(0)
+    return NgramGPT(orders=(2, 3), buckets=64, context=WINDOW, d_model=32, n_layers=2, n_heads=4)
+
+
+def test_ngram_hashes_match_a_slow_reference():
+    idx = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(5))
+    for n, buckets in ((2, 4096), (3, 4096), (4, 97), (6, 1 << 20)):
+        got = ngram_hashes(idx, n, buckets)
+        assert got.dtype == torch.long and got.shape == idx.shape
+        for b in range(idx.shape[0]):
+            for i in range(idx.shape[1]):
+                window = [256] * max(0, n - 1 - i) + idx[b, max(0, i - n + 1):i + 1].tolist()
+                h = 0
+                for byte in window:                       # oldest first: h = h * 257 + byte (mod p)
+                    h = (h * 257 + byte) % (2 ** 31 - 1)
+                assert got[b, i] == (h * 2654435761) % 2 ** 32 % buckets
+
+
+def test_ngram_hash_sees_only_the_last_n_bytes():
+    a = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    b = torch.tensor([[9, 9, 9, 4, 5, 6]])
+    assert torch.equal(ngram_hashes(a, 3, 4096)[0, 5:], ngram_hashes(b, 3, 4096)[0, 5:])
+    assert ngram_hashes(a, 3, 4096)[0, 4] != ngram_hashes(b, 3, 4096)[0, 4]
+
+
+def test_default_gpt_ngram_has_a_heavy_untied_input_side():
+    m = make_model("gpt-ngram")
+    assert m.head.weight is m.tok.weight and m.orders == (2, 3)
+    n = sum(p.numel() for p in m.parameters())
+    tables = sum(t.weight.numel() for t in m.ngrams)
+    assert tables == 2 * 4096 * 128 and 0.4 < tables / n < 0.5
+    assert tasks.task_of("gpt-ngram") == "lm"
+    out = m(torch.randint(0, 256, (2, TEXT_WINDOW)))
+    assert out.shape == (2, TEXT_WINDOW, 256)
+    with pytest.raises(ValueError, match="orders must be >= 2"):
+        NgramGPT(orders=(1, 2))
+
+
+def test_gpt_ngram_is_causal_and_its_tables_are_the_lazy_updates_input_side():
+    m = small_ngram_gpt().eval()
+    x = torch.randint(0, 256, (1, WINDOW))
+    y = x.clone()
+    y[0, -1] = (y[0, -1] + 1) % 256
+    assert torch.equal(m(x)[0, :-1], m(y)[0, :-1])
+    recorder = ForwardOrder(input_side_layers(m))
+    m(x)
+    recorder.close()
+    assert recorder.order[:4] == ["tok", "pos", "ngrams.0", "ngrams.1"]
+    plan = LazyPlan.build(m, list(m.parameters()), recorder.order, 4)
+    # tok is tied to the (regular) head, so the lazy set is the position and n-gram tables
+    assert plan.layers == ["pos", "ngrams.0", "ngrams.1"]
+
+
+def _lazy_ngram(rank, world, options):
+    model = small_ngram_gpt()
+    opt = make_optimizer("adamw", model)
+    engine = lowband.distribute(model, opt, "lazy", bucket_mb=0.01, lazy_layers=4, **options)
+    taus = []
+
+    def step():
+        engine.step()
+        taus.append(engine.bound.step_metrics()["tau"])
+    params = train(model, opt, ShardedBatches(text_data(200), LOCAL, rank, world, seed=3), step, 3 * STEPS, engine.module)
+    engine.synchronize()
+    return params, taus, engine.bound.summary()
+
+
+def _ssgd_ngram(rank, world):
+    model = small_ngram_gpt()
+    opt = make_optimizer("adamw", model)
+    engine = lowband.distribute(model, opt, "ssgd", bucket_mb=0.01)
+    params = train(model, opt, ShardedBatches(text_data(200), LOCAL, rank, world, seed=3), engine.step, 3 * STEPS, engine.module)
+    engine.synchronize()
+    return params
+
+
+def test_lazy_on_gpt_ngram_is_ssgd_at_tau_max_1_and_skips_syncs_when_adaptive():
+    ssgd = run_distributed(_ssgd_ngram, 2)
+    capped = run_distributed(_lazy_ngram, 2, {"tau_max": 1})
+    adaptive = run_distributed(_lazy_ngram, 2, {})
+    for r in range(2):
+        assert max_rel_err(capped[r][0], ssgd[r]) == 0.0
+        assert capped[r][1] == [1] * (3 * STEPS)
+    params, taus, summary = adaptive[0]
+    assert summary["lazy_layers"] == ["pos", "ngrams.0", "ngrams.1"]
+    assert max(taus) >= 3 and summary["lazy_syncs"] < 3 * STEPS      # syncs really skipped
+    assert max_rel_err(params, ssgd[0]) > 0.0
+    assert max_rel_err(adaptive[1][0], params) == 0.0                  # the replicas agree

@@ -1,5 +1,6 @@
 """Models registered by name: image classifiers for 1x28x28 inputs and 10 classes (``mlp``,
-``cnn``, ``resnet20``) and a byte-level language model (``gpt``, for the text datasets)."""
+``cnn``, ``resnet20``) and byte-level language models for the text datasets (``gpt``, and
+``gpt-ngram``, the same transformer with hashed n-gram input embeddings: a heavy input side)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -155,14 +156,67 @@ class GPT(nn.Module):
                 std = 0.02 / (2 * n_layers) ** 0.5 if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The input representation of byte ids ``idx`` [batch, time]: token plus position."""
         t = idx.shape[1]
         if t > self.context:
             raise ValueError(f"sequence of {t} tokens is longer than the model's context {self.context}")
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+#: the modulus of the n-gram hash's polynomial (a prime below 2**31, so every product fits int64)
+_HASH_PRIME = (1 << 31) - 1
+#: Knuth's multiplicative constant (2**32 / golden ratio): spreads the polynomial over the buckets
+_HASH_MIX = 2654435761
+
+
+def ngram_hashes(idx: torch.Tensor, n: int, buckets: int) -> torch.Tensor:
+    """Bucket of the n bytes ending at each position of ``idx`` [batch, time] (int64, same
+    shape): the polynomial ``sum_k x[i-k] * 257**k`` modulo a prime, with positions before the
+    window's start read as 256 (a value no byte has), then multiplied by Knuth's constant
+    modulo 2**32 and reduced modulo ``buckets``. Deterministic and the same on every rank."""
+    x = F.pad(idx.long(), (n - 1, 0), value=BYTE_VOCAB)
+    t = idx.shape[1]
+    h = torch.zeros_like(idx, dtype=torch.long)
+    for k in range(n):                         # oldest byte first: h = h * 257 + x
+        h = (h * (BYTE_VOCAB + 1) + x[:, k:k + t]) % _HASH_PRIME
+    return (h * _HASH_MIX) % (1 << 32) % buckets
+
+
+class NgramGPT(GPT):
+    """``GPT`` with hashed n-gram input embeddings, as in the Byte Latent Transformer's
+    encoder (Pagnoni et al., 2024): for each order n in ``orders`` the n bytes ending at a
+    position are hashed into one of ``buckets`` rows of that order's own embedding table, and
+    the rows are added to the byte and position embeddings. The tables give a byte-level model
+    the context of its last few bytes at its input, and they are a large *input side*: with
+    the defaults (orders 2 and 3, 4096 buckets, d_model 128) they hold 1.05M of the model's
+    2.29M parameters, whose gradients backward produces last. That is the case the lazy
+    update is for (docs/lazy.md); ``gpt``'s own input embedding is 32K weights tied to its
+    output head. The tables are not tied to anything; initialised N(0, 0.02) like the rest.
+    """
+
+    def __init__(self, orders: tuple[int, ...] = (2, 3), buckets: int = 4096, **kwargs):
+        super().__init__(**kwargs)
+        if not orders or min(orders) < 2:
+            raise ValueError(f"n-gram orders must be >= 2, got {orders!r}")
+        self.orders = tuple(int(n) for n in orders)
+        self.buckets = int(buckets)
+        d_model = self.tok.embedding_dim
+        self.ngrams = nn.ModuleList(nn.Embedding(self.buckets, d_model) for _ in self.orders)
+        for table in self.ngrams:
+            nn.init.normal_(table.weight, 0.0, 0.02)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        x = super().embed(idx)
+        for n, table in zip(self.orders, self.ngrams):
+            x = x + table(ngram_hashes(idx, n, self.buckets))
+        return x
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
@@ -170,6 +224,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "cnn": LeNet,
     "resnet20": ResNet20,
     "gpt": GPT,
+    "gpt-ngram": NgramGPT,
 }
 
 

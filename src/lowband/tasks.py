@@ -4,7 +4,7 @@ Two tasks, told apart by the model's name:
 
 * ``classification`` (``mlp``, ``cnn``, ``resnet20`` on the image datasets): cross-entropy over
   10 classes; held-out metrics are test accuracy and mean test loss.
-* ``lm`` (``gpt`` on the text datasets): next-byte prediction, cross-entropy at every position;
+* ``lm`` (``gpt`` and ``gpt-ngram`` on the text datasets): next-byte prediction, cross-entropy at every position;
   held-out metrics are the validation loss (nats per byte), bits per byte (= loss / ln 2,
   since a token is one byte) and next-byte accuracy (the share of bytes predicted exactly).
 
@@ -25,7 +25,7 @@ from .data import TEXT_DATASETS, TextWindows
 from .device import collective_device
 
 #: models that predict the next byte of a text
-LANGUAGE_MODELS = ("gpt",)
+LANGUAGE_MODELS = ("gpt", "gpt-ngram")
 
 #: training defaults per task, for every setting the user leaves unset. Classification keeps
 #: lowband's SGD recipe; the language model gets the recipe transformers are trained with:
