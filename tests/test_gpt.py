@@ -177,10 +177,10 @@ def test_gpt_ngram_is_causal_and_its_tables_are_the_lazy_updates_input_side():
     assert plan.layers == ["pos", "ngrams.0", "ngrams.1"]
 
 
-def _lazy_ngram(rank, world, options):
+def _lazy_ngram(rank, world, options, kind="adamw"):
     model = small_ngram_gpt()
-    opt = make_optimizer("adamw", model)
-    engine = lowband.distribute(model, opt, "lazy", bucket_mb=0.01, lazy_layers=4, **options)
+    opt = make_optimizer(kind, model)
+    engine = lowband.distribute(model, opt, "lazy", bucket_mb=0.01, **options)
     taus = []
 
     def step():
@@ -200,15 +200,24 @@ def _ssgd_ngram(rank, world):
     return params
 
 
-def test_lazy_on_gpt_ngram_is_ssgd_at_tau_max_1_and_skips_syncs_when_adaptive():
+def test_lazy_on_gpt_ngram_defaults_to_its_tables_with_a_scaled_window_step_under_adamw():
     ssgd = run_distributed(_ssgd_ngram, 2)
     capped = run_distributed(_lazy_ngram, 2, {"tau_max": 1})
-    adaptive = run_distributed(_lazy_ngram, 2, {})
+    auto = run_distributed(_lazy_ngram, 2, {})
     for r in range(2):
-        assert max_rel_err(capped[r][0], ssgd[r]) == 0.0
+        assert max_rel_err(capped[r][0], ssgd[r]) == 0.0                # a window of 1 is ssgd
         assert capped[r][1] == [1] * (3 * STEPS)
-    params, taus, summary = adaptive[0]
+    params, taus, summary = auto[0]
+    # the default lazy set: the leading embedding tables (tok is tied to the head: regular)
     assert summary["lazy_layers"] == ["pos", "ngrams.0", "ngrams.1"]
+    assert summary["window_scaled_parameters"] == ["pos.weight", "ngrams.0.weight", "ngrams.1.weight"]
     assert max(taus) >= 3 and summary["lazy_syncs"] < 3 * STEPS      # syncs really skipped
-    assert max_rel_err(params, ssgd[0]) > 0.0
-    assert max_rel_err(adaptive[1][0], params) == 0.0                  # the replicas agree
+    assert max_rel_err(auto[1][0], params) == 0.0                      # the replicas agree
+    # "auto" scales exactly the tables here (AdamW), so it is "scaled"; "sum" is another run
+    scaled = run_distributed(_lazy_ngram, 2, {"window_step": "scaled"})[0]
+    summed = run_distributed(_lazy_ngram, 2, {"window_step": "sum"})[0]
+    assert max_rel_err(scaled[0], params) == 0.0 and scaled[1] == taus
+    assert max_rel_err(summed[0], params) > 0.0 and summed[2]["window_scaled_parameters"] == []
+    # under SGD (the step grows with the gradient) "auto" scales nothing
+    sgd = run_distributed(_lazy_ngram, 2, {}, "sgd")[0]
+    assert sgd[2]["lazy_layers"] == ["pos", "ngrams.0", "ngrams.1"] and sgd[2]["window_scaled_parameters"] == []

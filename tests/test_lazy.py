@@ -13,7 +13,8 @@ from torch import nn
 
 import lowband
 from lowband.agreement import ConfigMismatchError
-from lowband.algorithms.lazy import ForwardOrder, LazyPlan, input_side_layers, interval_update, vote_update
+from lowband.algorithms.lazy import (ForwardOrder, LazyPlan, default_lazy_layers, input_side_layers, interval_update,
+                                     vote_update)
 from lowband.models import ResNet20
 
 from . import cli_runs
@@ -112,6 +113,26 @@ def test_resnet20_lazy_set_follows_forward_order():
     assert plan.layers == ["conv1"] + [f"layers.{b}.conv{c}" for b in range(3) for c in (1, 2)] + \
         ["layers.3.shortcut.0"]
     assert not any("bn" in n for n in recorder.order) and recorder.order[-1] == "fc"
+
+
+def test_default_lazy_set_is_the_leading_embedding_tables_of_a_language_model():
+    from lowband.models import GPT, NgramGPT
+
+    def lazy_set(model, inputs):
+        recorder = ForwardOrder(input_side_layers(model))
+        model(inputs)
+        recorder.close()
+        return LazyPlan.build(model, list(model.parameters()), recorder.order, None).layers
+    tokens = torch.randint(0, 256, (2, 8))
+    # gpt: tok and pos lead; tok is tied to the head (regular), so only pos is lazy
+    assert lazy_set(GPT(context=8, d_model=16, n_layers=2, n_heads=2), tokens) == ["pos"]
+    assert lazy_set(NgramGPT(buckets=32, context=8, d_model=16, n_layers=2, n_heads=2), tokens) == \
+        ["pos", "ngrams.0", "ngrams.1"]
+    # the tied embedding alone leads: nothing is lazy (the head needs it every step)
+    assert lazy_set(TiedLM(), torch.randint(0, VOCAB, (2, 3))) == []
+    # no leading table: PCNN's rule (8, at most half the layers)
+    assert default_lazy_layers([(str(i), nn.Linear(1, 1)) for i in range(30)]) == 8
+    assert default_lazy_layers([("l", nn.Linear(1, 1)), ("e", nn.Embedding(2, 1))] * 2) == 2
 
 
 def test_plan_of_tied_parameters():

@@ -484,7 +484,8 @@ def lazy_split(prof: Profile, lazy_layers: Optional[int]) -> tuple[list[int], li
     """(lazy parameter indices, probe parameter indices) by the rule of
     :class:`lowband.algorithms.lazy.LazyUpdate`: parameterised non-norm modules in registration
     order, the first ``lazy_layers`` (default min(8, half of them)) lazy, the last lazy one the
-    probe."""
+    probe. A profile records no module kinds, so the default for models that start with
+    embedding tables (those tables) is not applied here: pass ``lazy_layers`` for them."""
     from ..algorithms.lazy import DEFAULT_LAZY_LAYERS
     modules: list[str] = []
     for p in prof.params:
