@@ -379,30 +379,33 @@ static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *wor
     #pragma GCC unroll 16
     for (int b = 0; b < 2; ++b) {
         __m512 tv = _mm512_set1_ps(t[b]);
-        int32_t nf = 0;
+        __m512i cnt = _mm512_setzero_si512(), mone_i = _mm512_set1_epi32(-1);
         #pragma GCC unroll 16
         for (int k = 0; k < 8; ++k) {
             __m512 m0 = _mm512_abs_ps(R2(b, k)), m1 = _mm512_abs_ps(R2(b, k + 8));
             __mmask16 f0 = _mm512_cmp_ps_mask(m0, tv, _CMP_GE_OQ), f1 = _mm512_cmp_ps_mask(m1, tv, _CMP_GE_OQ);
-            nf += __builtin_popcount((unsigned)f0) + __builtin_popcount((unsigned)f1);
+            cnt = _mm512_mask_sub_epi32(cnt, f0, cnt, mone_i);
+            cnt = _mm512_mask_sub_epi32(cnt, f1, cnt, mone_i);
             y[b][k] = _mm512_add_ps(_mm512_maskz_mov_ps(f0, m0), _mm512_maskz_mov_ps(f1, m1));
         }
+        int32_t nf = _mm512_reduce_add_epi32(cnt);
         float sa = fold_regs(y[b]);
         v[b] = nf > 0 ? sa / (float)nf : t[b];
         scales[b] = v[b];
     }
-    __m512 one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
     #pragma GCC unroll 16
     for (int b = 0; b < 2; ++b) {
-        __m512 tv = _mm512_set1_ps(t[b]), mtv = _mm512_set1_ps(-t[b]), vv = _mm512_set1_ps(v[b]);
+        /* s * v for s in {+1, 0, -1}: v, 0 * v (+0, or NaN for a NaN or infinite v), -v; t > 0,
+         * so no element is both >= t and <= -t */
+        __m512 tv = _mm512_set1_ps(t[b]), mtv = _mm512_set1_ps(-t[b]), pv = _mm512_set1_ps(v[b]),
+               nv = _mm512_set1_ps(-1.0f * v[b]), zv = _mm512_set1_ps(0.0f * v[b]);
         #pragma GCC unroll 16
         for (int k = 0; k < 16; ++k) {
             __m512 rk = R2(b, k);
             __mmask16 p = _mm512_cmp_ps_mask(rk, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(rk, mtv, _CMP_LE_OQ);
             if (ep) {
-                __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
-                                              n & (__mmask16)~p, mone);
-                _mm512_storeu_ps(ep + ROW * b + 16 * k, _mm512_sub_ps(rk, _mm512_mul_ps(s, vv)));
+                __m512 sv = _mm512_mask_mov_ps(_mm512_mask_mov_ps(zv, p, pv), n, nv);
+                _mm512_storeu_ps(ep + ROW * b + 16 * k, _mm512_sub_ps(rk, sv));
             }
             words[16 * b + k] = pack_masks(p, n);
         }
