@@ -122,3 +122,70 @@ def test_cpsgd_measurement_follows_the_parameters_device_and_dtype():
     m = cpsgd._measurement(flight, [torch.ones(6)], [torch.zeros(6)], params)
     assert m.device == params[0].device and m.dtype == torch.float32
     assert m.tolist() == [4.0, 4.0, 2.0, 2.0]     # (d, n_compressed, v, n_exact)
+
+
+# -- no host sync on the per-step path: where a value is read back, `meta` (which has none) raises
+
+
+def test_a_bucket_launched_complete_is_written_back_without_reading_its_flags():
+    """Every parameter of this rank had a gradient: the averaged flags are all > 0, so
+    ``write_gradients`` must not read them back (a host sync per bucket on CUDA). On ``meta``
+    a read-back raises; an incomplete bucket must read them (whether another rank had one)."""
+    from lowband.algorithms.buckets import BucketSet
+    params = [torch.nn.Parameter(torch.zeros(3, device=META)), torch.nn.Parameter(torch.zeros(2, device=META))]
+    buckets = BucketSet(params, range(2), 1 << 20, launch=lambda b: None)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for i in (1, 0):
+        buckets.mark_ready(i)
+    buckets.write_gradients(buckets.buckets[0])
+    assert all(p.grad is not None and p.grad.device == META for p in params)
+    buckets.reset()
+    buckets.mark_ready(1)
+    buckets.launch_remaining()
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        buckets.write_gradients(buckets.buckets[0])
+
+
+def test_cpsgd_measurement_reads_nothing_back():
+    """The adaptive period's per-step measurement stays on the gradients' device (``meta``
+    here, where reading a value back raises); its values are checked above on the CPU."""
+    from types import SimpleNamespace
+    from lowband.algorithms import cpsgd
+    bucket = SimpleNamespace(numel=10, index=0, param_indices=[0, 1], offsets=[0, 6])
+    flight = SimpleNamespace(algo=SimpleNamespace(buckets=SimpleNamespace(buckets=[bucket])),
+                             ranges=[(0, 2, 4), (0, 3, 8)])
+    params = [torch.nn.Parameter(torch.zeros(6, device=META)), torch.nn.Parameter(torch.zeros(4, device=META))]
+    m = cpsgd._measurement(flight, [torch.ones(6, device=META), torch.ones(4, device=META)],
+                           [torch.zeros(6, device=META), None], params)
+    assert m.device == META and m.dtype == torch.float32 and m.shape == (4,)
+
+
+def test_cpsgd_measurement_over_overlapping_exact_ranges():
+    """Overlapping exact ranges (a 1-D parameter inside a correction share) count once."""
+    from types import SimpleNamespace
+    from lowband.algorithms import cpsgd
+    bucket = SimpleNamespace(numel=10, index=0, param_indices=[0, 1], offsets=[0, 6])
+    flight = SimpleNamespace(algo=SimpleNamespace(buckets=SimpleNamespace(buckets=[bucket])),
+                             ranges=[(0, 2, 4), (0, 3, 8), (0, 9, 10)])
+    params = [torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(4))]
+    G = [torch.arange(6.0), torch.arange(4.0)]
+    m = cpsgd._measurement(flight, G, [torch.zeros(6), None], params)
+    sq = torch.cat(G).square()
+    exact = torch.zeros(10, dtype=torch.bool)
+    exact[2:8] = exact[9] = True
+    assert m.tolist() == [float(sq[~exact].sum()), 3.0, float(sq[exact].sum()), 7.0]
+
+
+def test_guard_reads_all_verdicts_back_at_once():
+    """On an accelerator the guard reads its per-parameter tests back in one transfer
+    (``first_false``); it must agree with the one-by-one loop the CPU keeps."""
+    from lowband.guard import ALL_FINITE, first_false
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        indices = torch.randperm(20, generator=gen)[:n].tolist()
+        oks = [torch.tensor(bool(b)) for b in torch.rand(n, generator=gen) > 0.3]
+        bad = [i for i, ok in zip(indices, oks) if not ok]
+        assert first_false(indices, oks) == (min(bad) if bad else ALL_FINITE)
+
