@@ -10,6 +10,8 @@ from lowband import checkpoint, cli, device
 from lowband.compressors.base import scratch
 from lowband.config import TrainConfig
 
+from .distributed import run_distributed
+
 META = torch.device("meta")
 
 
@@ -189,3 +191,103 @@ def test_guard_reads_all_verdicts_back_at_once():
         bad = [i for i, ok in zip(indices, oks) if not ok]
         assert first_false(indices, oks) == (min(bad) if bad else ALL_FINITE)
 
+
+# -- every collective, codec and algorithm keeps its input's device and dtype
+
+#: codecs that run on ``meta`` (the others draw random numbers, which ``meta`` cannot)
+META_CODECS = ("1bit", "2bit", "bf16", "fp16", "none", "topk")
+CODEC_OPTIONS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}
+
+
+def _codec_cases():
+    from lowband.compressors import COMPRESSORS
+    cases = [(name, META, torch.float32) for name in META_CODECS]
+    return cases + [(name, torch.device("cpu"), dtype) for name in sorted(COMPRESSORS)
+                    for dtype in (torch.float64, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name, where, dtype", _codec_cases())
+def test_every_codec_keeps_device_and_dtype(name, where, dtype):
+    from lowband.compressors import build_compressor
+    x = torch.randn(64, 33).to(where, dtype)
+    for ef in (False, True):
+        codec = build_compressor(name, CODEC_OPTIONS.get(name, {}), error_feedback=ef)
+        y = codec.decompress(*codec.compress(x, "t"))
+        assert (y.device, y.dtype, y.shape) == (x.device, x.dtype, x.shape), (name, ef)
+
+
+#: every lowband method past its warm-up within 5 steps
+METHODS = {"ssgd": {}, "compressed": {"warmup_steps": 2},
+           "cpsgd": {"warmup_steps": 2, "correction_period": 3, "adapt_period": True}, "lazy": {"lazy_layers": 1}}
+
+
+def _float64(rank: int, world: int):
+    """Collectives and methods on float64 tensors, with a parameter only rank 0 uses."""
+    import lowband
+    from lowband.collectives.communicator import Communicator
+    from lowband.compressors import ErrorFeedback, make_compressor
+    from lowband.pipeline import make_reducer
+    from .training import PartlyUsed, batches, make_optimizer, train
+    found = {}
+    comm = Communicator()
+    x = torch.arange(6, dtype=torch.float64) + rank
+    gathered, swapped = torch.empty(12, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
+    comm.all_gather(gathered, x)
+    comm.all_to_all(swapped, x)
+    ints = torch.arange(4) * (rank + 1)
+    comm.all_reduce(ints)
+    comm.broadcast(x)
+    reducer = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+    mean = reducer.pipeline.all_reduce_mean(x).wait()
+    coded = reducer.reduce(x, "b")
+    reducer.close()
+    found["collectives"] = [str(t.dtype) for t in (gathered, swapped, ints, x, mean, coded)]
+    for name, options in METHODS.items():
+        torch.manual_seed(0)
+        model = PartlyUsed(rank).double()
+        opt = make_optimizer("sgd", model)
+        engine = lowband.distribute(model, opt, name, **options)
+        train(model, opt, batches(rank, world), engine.step, 5, forward=lambda x: engine.module(x.double()))
+        tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+        tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        tensors += list(getattr(engine.bound, "W", []))
+        found[name] = sorted({str(t.dtype) for t in tensors})
+        engine.close()
+    return found
+
+
+def test_collectives_and_methods_keep_a_float64_model_float64():
+    """The compressed reducer averages in fp32 by contract (its result is fp32); everything
+    else keeps float64: collectives, the pipeline's fp32-free jobs, and the parameters,
+    gradients, optimizer state and global weights of every method (the gradient of a
+    parameter that only another rank used arrives from the reducer and is cast)."""
+    for found in run_distributed(_float64, 2):
+        assert found.pop("collectives") == ["torch.float64"] * 2 + ["torch.int64"] + ["torch.float64"] * 2 + \
+            ["torch.float32"]
+        assert found == {name: ["torch.float64"] for name in METHODS}
+
+
+def _reload_onto_meta(rank: int, world: int):
+    """cpsgd's state, saved on the CPU mid-pipeline, loaded into an engine whose model is on
+    ``meta``: what the algorithm keeps as loaded lands on the model's device."""
+    import lowband
+    from .training import SmallNet, batches, make_optimizer, train
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, "cpsgd", **METHODS["cpsgd"])
+    train(model, opt, batches(rank, world), engine.step, 5, forward=engine.module)
+    state = engine.state_dict()
+    meta = SmallNet().to(META)
+    again = lowband.distribute(meta, make_optimizer("sgd", meta), "cpsgd", **METHODS["cpsgd"])
+    again.load_state_dict(state)
+    bound = again.bound
+    kept = [g for g in bound.in_flight.result() if g is not None] + [bound.in_flight.measure, bound._measure,
+                                                                     bound._stats, *bound._prev_local, *bound.W]
+    return sorted({str(t.device) for t in kept}), sorted(state["algorithm"])
+
+
+def test_cpsgd_state_reloads_onto_the_model_device():
+    devices, saved = run_distributed(_reload_onto_meta, 1)[0]
+    assert {"in_flight", "in_flight_measure", "measure", "prev_local"} <= set(saved)
+    assert devices == ["meta"]

@@ -170,8 +170,8 @@ class BucketSet:
 
     def write_gradients(self, b: Bucket, reduced: Optional[torch.Tensor] = None,
                         present: Optional[torch.Tensor] = None) -> None:
-        """Write a bucket's reduced values (default: its own buffer) back into ``.grad``;
-        parameters whose flag is zero on every rank (or whose ``present``
+        """Write a bucket's reduced values (default: its own buffer) back into ``.grad``, in the
+        parameter's dtype; parameters whose flag is zero on every rank (or whose ``present``
         entry is False, when given) get ``grad = None``.
 
         Which parameters get a gradient is decided on the host. A bucket this rank launched
@@ -192,6 +192,6 @@ class BucketSet:
                 continue
             g = values[b.offsets[k]: b.offsets[k] + p.numel()].view_as(p)
             if p.grad is None:
-                p.grad = g.clone()
+                p.grad = g.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(g)

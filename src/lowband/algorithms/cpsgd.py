@@ -45,6 +45,7 @@ import torch
 
 from ..collectives.wire import MIB
 from ..compressors import build_compressor
+from ..device import to_device
 from ..pipeline import make_collective
 from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
@@ -468,12 +469,15 @@ class BoundCPSGD(BoundAlgorithm):
                 for n, W in zip(names, self.W):
                     W.copy_(state["global_weights"][n])
         self.in_flight = None
+        # the tensors kept as they are land on the parameters' device, wherever they were loaded
+        device = self.ctx.params[0].device
         if "in_flight" in state:
-            pending = state["in_flight"]
-            self.in_flight = _InFlight.resolved(self, [pending.get(n) for n in names], state.get("in_flight_measure"),
+            pending = to_device(state["in_flight"], device)
+            self.in_flight = _InFlight.resolved(self, [pending.get(n) for n in names],
+                                                to_device(state.get("in_flight_measure"), device),
                                                 [tuple(r) for r in state.get("in_flight_exact", [])])
-        self._measure = state.get("measure")
-        prev = state.get("prev_local")
+        self._measure = to_device(state.get("measure"), device)
+        prev = to_device(state.get("prev_local"), device)
         self._prev_local = None if prev is None else [prev.get(n) for n in names]
         self.reducer.load_state_dict(state["collective"])
 
@@ -561,8 +565,8 @@ class _InFlight:
             for k, i in enumerate(b.param_indices):
                 if flags is not None and not flags[k]:
                     continue
-                p = algo.ctx.params[i]
-                grads[i] = out[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p)
+                p = algo.ctx.params[i]      # the reducer's fp32, in the parameter's dtype
+                grads[i] = out[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p).to(p.dtype)
         self._result = grads
         return grads
 
