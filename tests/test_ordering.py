@@ -13,13 +13,12 @@ import threading
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import lowband
 from lowband.collectives import communicator
 
 from .distributed import run_distributed
-from .training import PartlyUsed, batches, make_optimizer
+from .training import PartlyUsed, batches, make_optimizer, train
 
 STEPS = 6
 #: past the warm-ups within STEPS, several buckets each (so their order can differ)
@@ -62,12 +61,8 @@ def _collectives(rank: int, world: int):
             opt = make_optimizer("sgd", model)
             engine = lowband.distribute(model, opt, name, **options)
             log.clear()                      # training only: construction is the engine's
-            it = batches(rank, world).epoch(0)
-            for _ in range(STEPS):
-                x, y = next(it)
-                opt.zero_grad()
-                F.cross_entropy(engine.module(x), y).backward()
-                engine.step()
+            train(model, opt, batches(rank, world), engine.step, STEPS, forward=engine.module)
+            engine.synchronize()             # cpsgd's last step is in flight until drained
             pipeline = getattr(getattr(engine.bound, "reducer", None), "pipeline", None)
             out[name] = {
                 "log": list(log),
