@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from lowband.collectives.communicator import CommStats, Communicator
+from lowband.collectives.communicator import GPU_WAITS_COLLECT_AT, CommStats, Communicator
 from lowband.compressors import ErrorFeedback, make_compressor
 from lowband.pipeline import Pipeline, make_reducer
 
@@ -191,9 +191,17 @@ def test_gpu_waits_block_only_when_asked(monkeypatch):
     stats.collect_gpu_waits(block=True)
     assert stats.comm_wait_s == pytest.approx(0.010) and len(stats._gpu_waits) == 0
     assert [e[0] for e in fake.log].count("synchronize") == 2
+    # a loop that never reads its stats keeps a bounded number of completed pairs
+    fake.done = True
+    for _ in range(2 * GPU_WAITS_COLLECT_AT):
+        with stats.exposed(CUDA0):
+            pass
+    assert len(stats._gpu_waits) < GPU_WAITS_COLLECT_AT
+    assert stats.comm_wait_s == pytest.approx(0.010 + 0.005 * (2 * GPU_WAITS_COLLECT_AT - len(stats._gpu_waits)))
     # the CPU: wall time, at once, and no CUDA call
     for name in ("Stream", "Event", "current_stream", "stream"):
         monkeypatch.setattr(torch.cuda, name, _no_cuda)
+    before = stats.comm_wait_s
     with stats.exposed(torch.device("cpu")):
         time.sleep(0.01)
-    assert stats.comm_wait_s >= 0.020
+    assert stats.comm_wait_s >= before + 0.01

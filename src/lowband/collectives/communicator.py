@@ -26,6 +26,10 @@ from ..device import collective_device
 from ..streams import GpuWaits, on_cuda
 from .wire import allgather_bytes, allreduce_bytes, alltoall_bytes
 
+#: CUDA-timed waits kept before the completed ones are collected on the next wait, so that a
+#: loop that never reads its stats does not accumulate events
+GPU_WAITS_COLLECT_AT = 256
+
 
 @dataclass
 class CommStats:
@@ -79,6 +83,8 @@ class CommStats:
             end = GpuWaits.mark(device)
             with self._lock:
                 self._gpu_waits.add(start, end)
+                if len(self._gpu_waits) >= GPU_WAITS_COLLECT_AT:
+                    self.comm_wait_s += self._gpu_waits.collect()
 
     def collect_gpu_waits(self, block: bool = False) -> None:
         """Add the CUDA-timed waits that have completed to ``comm_wait_s`` (all of them, after
