@@ -1,7 +1,9 @@
 """CUDA checks (``pytest -m cuda``; skipped without a GPU): codecs on CUDA tensors against the
 CPU bit for bit where the codec is deterministic, collectives keeping the input's device and
 dtype (gloo with CUDA tensors at world size 2, NCCL at world size 1), checkpointed state
-reloading onto the GPU, and a short ``lowband train --device cuda`` with a resume.
+reloading onto the GPU, the pipeline's side stream ordered with the compute stream by events
+(lowband.streams) and its waits timed with CUDA events, and a short
+``lowband train --device cuda`` with a resume.
 
 benchmarks/gpu_check.sh runs these on a GPU machine. None of them has run on one yet."""
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 from lowband import checkpoint
 from lowband.collectives.communicator import Communicator
 from lowband.compressors import COMPRESSORS, ErrorFeedback, build_compressor, make_compressor
-from lowband.pipeline import make_reducer
+from lowband.device import to_device
+from lowband.pipeline import Pipeline, make_reducer
 
 from .cli_runs import PAST_WARMUP, train as lowband_train
 from .distributed import run_distributed
@@ -87,6 +90,58 @@ def test_nccl_world_of_one_keeps_device_and_dtype():
     for what, device, dtype in result[:-1]:
         assert device in ("cuda:0", ["cuda:0"]), (what, device)
     assert result[-1] == ("all_reduce", "cuda:0", "8.0")
+
+
+#: GPU cycles of ``torch.cuda._sleep``: long enough (tens of ms on any recent GPU) that a
+#: missing stream order would let the other stream read the old values
+SLEEP_CYCLES = 50_000_000
+
+
+def _stream_order(rank: int, world: int):
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    comm = Communicator()
+    pipeline = Pipeline(comm, "stream-test")
+    found = {}
+    # the job must see what the compute stream wrote before the submit, however late it runs
+    x = torch.zeros(1 << 20, device=dev)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    x.fill_(7.0)
+
+    def read(t):
+        found["job stream is the side stream"] = torch.cuda.current_stream(dev) == pipeline.side.stream
+        return t.clone(), None
+    seen = pipeline.submit(read, x).wait()
+    found["job saw the compute stream's write"] = bool((seen == 7.0).all())
+    # the compute stream must see what the job wrote, without a host sync in between
+
+    def write(t):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return t.fill_(3.0), None
+    out = pipeline.submit(write, torch.zeros(1 << 20, device=dev)).wait()
+    found["compute stream saw the job's write"] = bool((out.clone() == 3.0).all())
+    # the wait for the sleeping job was charged from CUDA events, collected when asked
+    comm.stats.collect_gpu_waits(block=True)
+    found["waits timed on the GPU"] = comm.stats.comm_wait_s > 0
+    # a reducer's residuals saved to the CPU reload onto the GPU and continue the same
+    red = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+    g = torch.randn(sum(n for _, n in SEGMENTS), generator=torch.Generator().manual_seed(1)).to(dev)
+    red.reduce(g, "b", SEGMENTS)
+    saved = to_device(red.state_dict(), torch.device("cpu"))
+    again = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+    again.load_state_dict(saved)
+    found["reloaded residuals continue bit for bit"] = torch.equal(red.reduce(g, "b", SEGMENTS),
+                                                                   again.reduce(g, "b", SEGMENTS))
+    found["residuals on the GPU"] = {v.device.type for v in again.state_dict()["worker"].values()} == {"cuda"}
+    for p in (red, again, pipeline):
+        p.close()
+    return found
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_pipeline_side_stream_is_ordered_by_events(backend):
+    found = run_distributed(_stream_order, 1, backend=backend)[0]
+    assert found and all(found.values()), found
 
 
 def test_checkpoint_state_reloads_onto_the_gpu(tmp_path):

@@ -10,6 +10,8 @@ from lowband import checkpoint, cli, device
 from lowband.compressors.base import scratch
 from lowband.config import TrainConfig
 
+from .distributed import run_distributed
+
 META = torch.device("meta")
 
 
@@ -122,3 +124,170 @@ def test_cpsgd_measurement_follows_the_parameters_device_and_dtype():
     m = cpsgd._measurement(flight, [torch.ones(6)], [torch.zeros(6)], params)
     assert m.device == params[0].device and m.dtype == torch.float32
     assert m.tolist() == [4.0, 4.0, 2.0, 2.0]     # (d, n_compressed, v, n_exact)
+
+
+# -- no host sync on the per-step path: where a value is read back, `meta` (which has none) raises
+
+
+def test_a_bucket_launched_complete_is_written_back_without_reading_its_flags():
+    """Every parameter of this rank had a gradient: the averaged flags are all > 0, so
+    ``write_gradients`` must not read them back (a host sync per bucket on CUDA). On ``meta``
+    a read-back raises; an incomplete bucket must read them (whether another rank had one)."""
+    from lowband.algorithms.buckets import BucketSet
+    params = [torch.nn.Parameter(torch.zeros(3, device=META)), torch.nn.Parameter(torch.zeros(2, device=META))]
+    buckets = BucketSet(params, range(2), 1 << 20, launch=lambda b: None)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for i in (1, 0):
+        buckets.mark_ready(i)
+    buckets.write_gradients(buckets.buckets[0])
+    assert all(p.grad is not None and p.grad.device == META for p in params)
+    buckets.reset()
+    buckets.mark_ready(1)
+    buckets.launch_remaining()
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        buckets.write_gradients(buckets.buckets[0])
+
+
+def test_cpsgd_measurement_reads_nothing_back():
+    """The adaptive period's per-step measurement stays on the gradients' device (``meta``
+    here, where reading a value back raises); its values are checked above on the CPU."""
+    from types import SimpleNamespace
+    from lowband.algorithms import cpsgd
+    bucket = SimpleNamespace(numel=10, index=0, param_indices=[0, 1], offsets=[0, 6])
+    flight = SimpleNamespace(algo=SimpleNamespace(buckets=SimpleNamespace(buckets=[bucket])),
+                             ranges=[(0, 2, 4), (0, 3, 8)])
+    params = [torch.nn.Parameter(torch.zeros(6, device=META)), torch.nn.Parameter(torch.zeros(4, device=META))]
+    m = cpsgd._measurement(flight, [torch.ones(6, device=META), torch.ones(4, device=META)],
+                           [torch.zeros(6, device=META), None], params)
+    assert m.device == META and m.dtype == torch.float32 and m.shape == (4,)
+
+
+def test_cpsgd_measurement_over_overlapping_exact_ranges():
+    """Overlapping exact ranges (a 1-D parameter inside a correction share) count once."""
+    from types import SimpleNamespace
+    from lowband.algorithms import cpsgd
+    bucket = SimpleNamespace(numel=10, index=0, param_indices=[0, 1], offsets=[0, 6])
+    flight = SimpleNamespace(algo=SimpleNamespace(buckets=SimpleNamespace(buckets=[bucket])),
+                             ranges=[(0, 2, 4), (0, 3, 8), (0, 9, 10)])
+    params = [torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(4))]
+    G = [torch.arange(6.0), torch.arange(4.0)]
+    m = cpsgd._measurement(flight, G, [torch.zeros(6), None], params)
+    sq = torch.cat(G).square()
+    exact = torch.zeros(10, dtype=torch.bool)
+    exact[2:8] = exact[9] = True
+    assert m.tolist() == [float(sq[~exact].sum()), 3.0, float(sq[exact].sum()), 7.0]
+
+
+def test_guard_reads_all_verdicts_back_at_once():
+    """On an accelerator the guard reads its per-parameter tests back in one transfer
+    (``first_false``); it must agree with the one-by-one loop the CPU keeps."""
+    from lowband.guard import ALL_FINITE, first_false
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        indices = torch.randperm(20, generator=gen)[:n].tolist()
+        oks = [torch.tensor(bool(b)) for b in torch.rand(n, generator=gen) > 0.3]
+        bad = [i for i, ok in zip(indices, oks) if not ok]
+        assert first_false(indices, oks) == (min(bad) if bad else ALL_FINITE)
+
+
+# -- every collective, codec and algorithm keeps its input's device and dtype
+
+#: codecs that run on ``meta`` (the others draw random numbers, which ``meta`` cannot)
+META_CODECS = ("1bit", "2bit", "bf16", "fp16", "none", "topk")
+CODEC_OPTIONS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}
+
+
+def _codec_cases():
+    from lowband.compressors import COMPRESSORS
+    cases = [(name, META, torch.float32) for name in META_CODECS]
+    return cases + [(name, torch.device("cpu"), dtype) for name in sorted(COMPRESSORS)
+                    for dtype in (torch.float64, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name, where, dtype", _codec_cases())
+def test_every_codec_keeps_device_and_dtype(name, where, dtype):
+    from lowband.compressors import build_compressor
+    x = torch.randn(64, 33).to(where, dtype)
+    for ef in (False, True):
+        codec = build_compressor(name, CODEC_OPTIONS.get(name, {}), error_feedback=ef)
+        y = codec.decompress(*codec.compress(x, "t"))
+        assert (y.device, y.dtype, y.shape) == (x.device, x.dtype, x.shape), (name, ef)
+
+
+#: every lowband method past its warm-up within 5 steps
+METHODS = {"ssgd": {}, "compressed": {"warmup_steps": 2},
+           "cpsgd": {"warmup_steps": 2, "correction_period": 3, "adapt_period": True}, "lazy": {"lazy_layers": 1}}
+
+
+def _float64(rank: int, world: int):
+    """Collectives and methods on float64 tensors, with a parameter only rank 0 uses."""
+    import lowband
+    from lowband.collectives.communicator import Communicator
+    from lowband.compressors import ErrorFeedback, make_compressor
+    from lowband.pipeline import make_reducer
+    from .training import PartlyUsed, batches, make_optimizer, train
+    found = {}
+    comm = Communicator()
+    x = torch.arange(6, dtype=torch.float64) + rank
+    gathered, swapped = torch.empty(12, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
+    comm.all_gather(gathered, x)
+    comm.all_to_all(swapped, x)
+    ints = torch.arange(4) * (rank + 1)
+    comm.all_reduce(ints)
+    comm.broadcast(x)
+    reducer = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+    mean = reducer.pipeline.all_reduce_mean(x).wait()
+    coded = reducer.reduce(x, "b")
+    reducer.close()
+    found["collectives"] = [str(t.dtype) for t in (gathered, swapped, ints, x, mean, coded)]
+    for name, options in METHODS.items():
+        torch.manual_seed(0)
+        model = PartlyUsed(rank).double()
+        opt = make_optimizer("sgd", model)
+        engine = lowband.distribute(model, opt, name, **options)
+        train(model, opt, batches(rank, world), engine.step, 5, forward=lambda x: engine.module(x.double()))
+        tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+        tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        tensors += list(getattr(engine.bound, "W", []))
+        found[name] = sorted({str(t.dtype) for t in tensors})
+        engine.close()
+    return found
+
+
+def test_collectives_and_methods_keep_a_float64_model_float64():
+    """The compressed reducer averages in fp32 by contract (its result is fp32); everything
+    else keeps float64: collectives, the pipeline's fp32-free jobs, and the parameters,
+    gradients, optimizer state and global weights of every method (the gradient of a
+    parameter that only another rank used arrives from the reducer and is cast)."""
+    for found in run_distributed(_float64, 2):
+        assert found.pop("collectives") == ["torch.float64"] * 2 + ["torch.int64"] + ["torch.float64"] * 2 + \
+            ["torch.float32"]
+        assert found == {name: ["torch.float64"] for name in METHODS}
+
+
+def _reload_onto_meta(rank: int, world: int):
+    """cpsgd's state, saved on the CPU mid-pipeline, loaded into an engine whose model is on
+    ``meta``: what the algorithm keeps as loaded lands on the model's device."""
+    import lowband
+    from .training import SmallNet, batches, make_optimizer, train
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, "cpsgd", **METHODS["cpsgd"])
+    train(model, opt, batches(rank, world), engine.step, 5, forward=engine.module)
+    state = engine.state_dict()
+    meta = SmallNet().to(META)
+    again = lowband.distribute(meta, make_optimizer("sgd", meta), "cpsgd", **METHODS["cpsgd"])
+    again.load_state_dict(state)
+    bound = again.bound
+    kept = [g for g in bound.in_flight.result() if g is not None] + [bound.in_flight.measure, bound._measure,
+                                                                     bound._stats, *bound._prev_local, *bound.W]
+    return sorted({str(t.device) for t in kept}), sorted(state["algorithm"])
+
+
+def test_cpsgd_state_reloads_onto_the_model_device():
+    devices, saved = run_distributed(_reload_onto_meta, 1)[0]
+    assert {"in_flight", "in_flight_measure", "measure", "prev_local"} <= set(saved)
+    assert devices == ["meta"]

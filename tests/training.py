@@ -42,6 +42,21 @@ class SmallNet(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+class PartlyUsed(SmallNet):
+    """SmallNet with a head that only rank 0 uses, on odd steps: its bucket completes during
+    backward on rank 0 and only in ``step()`` on rank 1."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank, self.calls = rank, 0
+        self.extra = nn.Linear(10, 10)
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.calls += 1
+        return out + self.extra(out) if self.rank == 0 and self.calls % 2 else out
+
+
 def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)

@@ -141,7 +141,10 @@ class Engine:
     # -- per iteration -------------------------------------------------------------------
     @property
     def stats(self) -> CommStats:
-        """Bytes sent/received (wire model), payload bytes, exposed communication wait, steps."""
+        """Bytes sent/received (wire model), payload bytes, exposed communication wait, steps.
+        On CUDA the waits timed by events that have completed are added now (no host sync);
+        the rest follow at a later read or at :meth:`synchronize`."""
+        self.comm.stats.collect_gpu_waits()
         return self.comm.stats
 
     def step(self) -> bool:
@@ -192,6 +195,7 @@ class Engine:
                 flat = flatten(floats)
                 self.comm.all_reduce(flat, op=dist.ReduceOp.AVG)
                 unflatten_into(flat, floats)
+        self.comm.stats.collect_gpu_waits(block=True)   # CUDA: every timed wait is in comm_wait_s
 
     # -- the global model, without touching training -------------------------------------
     @contextmanager

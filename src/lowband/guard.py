@@ -88,6 +88,15 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).all()
 
 
+def first_false(indices: Sequence[int], oks: Sequence[torch.Tensor]) -> int:
+    """The smallest of ``indices`` whose 0-dim bool in ``oks`` (all on one device) is False,
+    ``ALL_FINITE`` if none: computed on that device and read back once."""
+    index = torch.tensor(list(indices), dtype=torch.int64, device=oks[0].device)
+    none = torch.iinfo(torch.int64).max
+    first = int(torch.where(torch.stack(list(oks)), none, index).min())
+    return ALL_FINITE if first == none else first
+
+
 class NonFiniteGradientError(FloatingPointError):
     """Some rank produced a NaN/Inf gradient (raised identically on every rank). With
     ``skipped`` > 0 the policy was "skip" and that many steps in a row were already skipped."""
@@ -174,7 +183,12 @@ class GradientGuard:
         self._finite.append((index, all_finite(gradient)))
 
     def _first_bad(self) -> int:
-        """This rank's first parameter index (registration order) with a non-finite gradient."""
+        """This rank's first parameter index (registration order) with a non-finite gradient.
+        The decision is the host's (raise, skip), so the tests are read back: on the CPU one
+        by one (they are host values already), on an accelerator all in one read-back."""
+        if self._finite and all(ok.device.type != "cpu" for _, ok in self._finite) and \
+                len({ok.device for _, ok in self._finite}) == 1:
+            return first_false([i for i, _ in self._finite], [ok for _, ok in self._finite])
         bad = [i for i, ok in self._finite if not bool(ok)]
         return min(bad) if bad else ALL_FINITE
 

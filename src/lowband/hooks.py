@@ -198,8 +198,11 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         work = dist.all_reduce(buf, group=state.process_group, async_op=True)
         return work.get_future().then(lambda f: f.value()[0])
     state.maybe_increase_iter(bucket)
-    out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     dtype, device = buf.dtype, buf.device
+    # on CUDA a stream-aware future: DDP's stream waits for the stream that set the result,
+    # which itself waited for the pipeline's side stream (lowband.streams)
+    out: torch.futures.Future[torch.Tensor] = \
+        torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
 
     def finish(done: Handle) -> None:
         error = done.exception()

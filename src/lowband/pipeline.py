@@ -15,13 +15,20 @@ surface of the interface contract (``start``, ``start_full_precision``, handles 
 (one flat tensor per bucket for the workers, one per bucket for this rank's server chunks),
 the exact ranges and the residual flushes; the byte flow is the collective's plan
 (:mod:`lowband.collectives.compressed`).
+
+On CUDA the pipeline's jobs run on a side stream of its own, ordered with the submitting
+thread's compute stream by events (:mod:`lowband.streams`): a job waits for an event recorded
+when it was submitted, and ``wait()`` makes the caller's stream wait for one recorded at the
+job's end, so neither thread blocks on the GPU to hand work over. The pipeline's thread itself
+reads a few values back to the host (present and non-finite flags: which parameters any rank
+produced, which segments the server re-compresses), which stalls that thread, not the compute
+stream. On the CPU none of this exists (no stream, no event).
 """
 from __future__ import annotations
 
 import copy
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -34,6 +41,7 @@ from .collectives.communicator import Communicator
 from .collectives.compressed import Plan, make_plan, resolve_collective
 from .compressors import Compressor, ErrorFeedback
 from .guard import all_finite
+from .streams import SideStream, cuda_device_of
 
 Segments = Sequence[tuple[str, int]]
 
@@ -53,23 +61,24 @@ class Handle:
     ``nonfinite`` (for a bucket started with ``check_finite``) a ``[world, segments]`` bool
     array of the segments each rank found non-finite, or None when none did."""
 
-    def __init__(self, future: Future, comm: Communicator):
+    def __init__(self, future: Future, comm: Communicator, side: SideStream, device: Optional[torch.device]):
         self._future = future
         self._comm = comm
+        self._side = side
+        self._device = device
         self.present: Optional[torch.Tensor] = None
         self.nonfinite: Optional[np.ndarray] = None
 
     def _unpack(self) -> torch.Tensor:
-        result, self.present, *rest = self._future.result()
+        result, self.present, *rest = self._side.consume(*self._future.result())
         self.nonfinite = rest[0] if rest else None
         return result
 
     def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        try:
+        """The job's tensor; on CUDA the caller's stream is ordered after the job and the
+        wait is timed on that stream (:meth:`CommStats.exposed`), else in wall time."""
+        with self._comm.stats.exposed(self._device):
             return self._unpack()
-        finally:
-            self._comm.stats.comm_wait_s += time.perf_counter() - t0
 
     def done(self) -> bool:
         return self._future.done()
@@ -101,6 +110,8 @@ class Pipeline:
     def __init__(self, comm: Communicator, name: str = "lowband") -> None:
         self.caller = comm
         self.comm = Communicator(private_group(comm), comm.stats, time_waits=False)
+        #: the CUDA stream the jobs run on (none on the CPU: :mod:`lowband.streams`)
+        self.side = SideStream()
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._error: Optional[BaseException] = None
         self._closed = False
@@ -112,32 +123,38 @@ class Pipeline:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, args = item
+            future, fn, args, device, ready = item
             if not future.set_running_or_notify_cancel():
                 continue
             if self._error is not None:
                 future.set_exception(RuntimeError(f"an earlier collective of this rank failed: {self._error!r}"))
                 continue
-            try:
-                future.set_result(fn(*args))
+            try:   # the result is (fn's value, the CUDA event at its end or None)
+                future.set_result(self.side.run(lambda: fn(*args), device, ready))
             except BaseException as exc:   # delivered to whoever waits on the job
                 self._error = exc
                 future.set_exception(exc)
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def _submit(self, fn: Callable[..., Any], args: tuple, inputs: Any) -> tuple[Future, Optional[torch.device]]:
+        """Queue the job; ``inputs`` are the tensors it reads that the caller produced (on
+        CUDA: the job runs after them, on the device of the first)."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
+        device = cuda_device_of(inputs)
         future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
+        self._queue.put((future, fn, args, device, self.side.ready(device, inputs)))
+        return future, device
 
     def submit(self, fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]], *args: Any) -> Handle:
-        """Queue ``fn(*args)`` (returning ``(tensor, present)``) behind every earlier job."""
-        return Handle(self._submit(fn, *args), self.caller)
+        """Queue ``fn(*args)`` (returning ``(tensor, present)``) behind every earlier job; the
+        tensors among ``args`` are its inputs."""
+        future, device = self._submit(fn, args, [a for a in args if isinstance(a, torch.Tensor)])
+        return Handle(future, self.caller, self.side, device)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the queue (after every earlier job) and return its result."""
-        return self._submit(fn, *args).result()
+        """Run ``fn(*args)`` on the queue (after every earlier job) and return its result
+        (every tensor in ``args``, nested ones too, is an input)."""
+        return self.side.consume(*self._submit(fn, args, args)[0].result())
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> Handle:
         """fp32 average of a copy of ``tensor`` (no present flags: ``present`` stays None)."""
@@ -179,18 +196,28 @@ def _check_segments(tensor: torch.Tensor, name: str, segments: Optional[Segments
     return segs
 
 
-def _flags(present: Optional[torch.Tensor], count: int) -> Optional[np.ndarray]:
+def _present(present: Optional[torch.Tensor], count: int) -> Optional[torch.Tensor]:
+    """A flat bool copy of ``present`` on its own device (no host sync: on CUDA the flags are
+    read back by the pipeline's thread, :func:`_host_flags`)."""
     if present is None:
         return None
-    flags = present.detach().reshape(-1).to("cpu", torch.bool).numpy().copy()
-    if flags.size != count:
-        raise ValueError(f"present has {flags.size} entries for {count} segments")
-    return flags
+    if present.numel() != count:
+        raise ValueError(f"present has {present.numel()} entries for {count} segments")
+    return present.detach().reshape(-1).to(torch.bool, copy=True)
+
+
+def _host_flags(present: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    """``present`` as a numpy bool array (on CUDA, a read-back on the pipeline's thread: the
+    flags decide on the host which chunks are coded)."""
+    return None if present is None else present.cpu().numpy()
 
 
 def nonfinite_segments(g: torch.Tensor, segments: Segments) -> Optional[np.ndarray]:
     """Bool per segment of flat ``g``: it holds a NaN or Inf; None when all are finite (one
-    sum of the whole bucket proves it; only a non-finite sum pays for the per-segment test)."""
+    sum of the whole bucket proves it; only a non-finite sum pays for the per-segment test).
+    On CUDA the test is read back on the pipeline's thread (the marks are host bytes of the
+    message), which stalls that thread until the bucket's gradient is computed, not the
+    compute stream."""
     if bool(all_finite(g)):
         return None
     bad, off = np.zeros(len(segments), dtype=bool), 0
@@ -304,10 +331,11 @@ class CompressedReducer:
                 fixed = None          # nothing exact: the same bucket as without exact_segments
         flat = tensor.detach().reshape(-1)
         snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
-        return self.pipeline.submit(self._run, name, segs, snapshot, _flags(present, len(segs)), lo, hi, flush_exact,
-                                    fixed, check_finite)
+        return self.pipeline.submit(self._run, name, segs, snapshot, _present(present, len(segs)), lo, hi,
+                                    flush_exact, fixed, check_finite)
 
-    def _run(self, name, segs, g, flags, lo, hi, flush_exact, fixed, check_finite=False):
+    def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False):
+        flags = _host_flags(present)
         b = self._bucket(name, segs, g.device, fixed)
         bad = nonfinite_segments(g, segs) if check_finite else None
         comm = self.pipeline.comm
@@ -340,7 +368,7 @@ class CompressedReducer:
         segment's worker residual (and this rank's server residual, times N because the
         all-reduce averages) is added to the contribution and zeroed."""
         segs = _check_segments(tensor, name, segments)
-        flags = _flags(present, len(segs))
+        flags = _present(present, len(segs))
         n = tensor.numel()
         flat = tensor.detach().reshape(-1).to(torch.float32)
         if flags is None:
@@ -348,7 +376,7 @@ class CompressedReducer:
         else:
             buf = torch.empty(n + len(segs), dtype=torch.float32, device=flat.device)
             buf[:n] = flat
-            buf[n:] = torch.from_numpy(flags.astype(np.float32)).to(flat.device)
+            buf[n:] = flags.to(torch.float32)
         return self.pipeline.submit(self._run_full, name, segs, buf, n, flags is not None, flush_residuals)
 
     def _run_full(self, name, segs, buf, n, with_flags, flush):
@@ -358,7 +386,7 @@ class CompressedReducer:
                 self._flush(b, buf[:n])
         self.pipeline.comm.all_reduce(buf, op=dist.ReduceOp.AVG)
         present = buf[n:] > 0 if with_flags else torch.ones(len(segs), dtype=torch.bool)
-        return buf[:n], present.cpu()
+        return buf[:n], present.cpu()      # on CUDA a read-back on this thread: who gets a gradient
 
     def _flush(self, b: _Bucket, into: torch.Tensor) -> None:
         """``into += worker residual (+ N * server residual of my chunks)``; both zeroed."""

@@ -38,6 +38,7 @@ class Bucket:
     key: Any = None                  # the bucket's kind (see the module docstring)
     position: dict = field(default_factory=dict)   # parameter index -> position in the bucket
     spare: Optional[torch.Tensor] = None   # double buffering: the previous iteration's buffer
+    complete: bool = False           # launched with every parameter's gradient of this rank
 
     @property
     def grads(self) -> torch.Tensor:
@@ -123,6 +124,7 @@ class BucketSet:
                 b.buffer, b.spare = b.spare, b.buffer
             b.pending = set(b.param_indices)
             b.launched = False
+            b.complete = False
             b.handle = None
             b.flags.zero_()
         self._next = 0
@@ -147,30 +149,42 @@ class BucketSet:
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, b: Bucket, complete: bool = True) -> None:
         b.launched = True
+        b.complete = complete
         b.handle = self.launch_fn(b)
 
     def launch_remaining(self) -> None:
         """Launch every bucket not launched yet, in order. Parameters without a gradient this
         iteration contribute zeros and a cleared flag."""
         for b in self.buckets[self._next:]:
+            complete = not b.pending
             for k, i in enumerate(b.param_indices):
                 if i in b.pending:
                     n = self.params[i].numel()
                     b.grads[b.offsets[k]: b.offsets[k] + n].zero_()
                     b.flags[k] = 0
             b.pending.clear()
-            self._launch(b)
+            self._launch(b, complete)
         self._next = len(self.buckets)
 
     def write_gradients(self, b: Bucket, reduced: Optional[torch.Tensor] = None,
                         present: Optional[torch.Tensor] = None) -> None:
-        """Write a bucket's reduced values (default: its own buffer) back into ``.grad``;
-        parameters whose flag is zero on every rank (or whose ``present`` entry is False,
-        when given) get ``grad = None``."""
+        """Write a bucket's reduced values (default: its own buffer) back into ``.grad``, in the
+        parameter's dtype; parameters whose flag is zero on every rank (or whose ``present``
+        entry is False, when given) get ``grad = None``.
+
+        Which parameters get a gradient is decided on the host. A bucket this rank launched
+        complete needs no look: its averaged flags are all > 0. Otherwise the averaged flags
+        are read back, one host sync per such bucket on CUDA (``present``, from the pipeline,
+        is already on the host)."""
         values = b.buffer if reduced is None else reduced
-        flags = (values[b.numel:] > 0 if present is None else present).tolist()   # one host sync
+        if present is not None:
+            flags = present.tolist()
+        elif b.complete:
+            flags = [True] * len(b.param_indices)
+        else:
+            flags = (values[b.numel:] > 0).tolist()
         for k, i in enumerate(b.param_indices):
             p = self.params[i]
             if not flags[k]:
@@ -178,6 +192,6 @@ class BucketSet:
                 continue
             g = values[b.offsets[k]: b.offsets[k] + p.numel()].view_as(p)
             if p.grad is None:
-                p.grad = g.clone()
+                p.grad = g.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(g)

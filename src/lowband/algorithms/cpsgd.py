@@ -45,6 +45,7 @@ import torch
 
 from ..collectives.wire import MIB
 from ..compressors import build_compressor
+from ..device import to_device
 from ..pipeline import make_collective
 from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
@@ -234,11 +235,16 @@ class BoundCPSGD(BoundAlgorithm):
         self.in_flight: Optional[_InFlight] = None
         self.corrections = 0                # steps that sent anything exact after the warm-up
         self._launching: Optional[_InFlight] = None
-        self._stats = [0.0, 0.0, 0.0, 0.0]  # adaptive: mean d, n_compressed, mean v, n_exact (agreed)
+        # adaptive: mean d, n_compressed, mean v, n_exact (agreed), summed on the parameters'
+        # device in float64 and read on the host only when the rule decides (a cycle boundary)
+        self._stats = self._stats_tensor([0.0, 0.0, 0.0, 0.0])
         self._measure: Optional[torch.Tensor] = None   # this rank's measurement, riding on the next step
         self._last_phase: Optional[int] = None
         self._last_period: Optional[int] = self.period
         self._prev_local: Optional[list[Optional[torch.Tensor]]] = None
+
+    def _stats_tensor(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64, device=self.ctx.params[0].device)
 
     # -- schedule (pure functions of the agreed step counter and period state) ------------
     def in_warmup(self, t: int) -> bool:
@@ -359,9 +365,9 @@ class BoundCPSGD(BoundAlgorithm):
         if self.period is None or self.in_warmup(t) or t - self.cycle_start < self.period:
             return
         self.cycle_start = t
-        if self.cfg.adapt_period:
-            self.period = self.controller.decide(self.period, *self._stats, world=self.ctx.world_size)
-            self._stats = [0.0, 0.0, 0.0, 0.0]
+        if self.cfg.adapt_period:   # the rule decides on the host: one read-back per cycle
+            self.period = self.controller.decide(self.period, *self._stats.tolist(), world=self.ctx.world_size)
+            self._stats = self._stats_tensor([0.0, 0.0, 0.0, 0.0])
 
     def _step_global(self, grads: list[Optional[torch.Tensor]]) -> None:
         """W <- optimizer(W, grads): the parameters hold W's storage during the step."""
@@ -379,8 +385,7 @@ class BoundCPSGD(BoundAlgorithm):
         if self.cfg.adapt_period and self._prev_local is not None:
             self._measure = _measurement(flight, grads, self._prev_local, self.ctx.params)
         if flight.measure is not None:                  # agreed (averaged) sums
-            for i, x in enumerate(flight.measure.tolist()):
-                self._stats[i] += x
+            self._stats += flight.measure
         return grads
 
     def _apply_to_global(self, flight: "_InFlight") -> None:
@@ -434,7 +439,7 @@ class BoundCPSGD(BoundAlgorithm):
         names = self.ctx.names
         state: dict[str, Any] = {
             "t": self.t, "corrections": self.corrections, "period": self.period,
-            "cycle_start": self.cycle_start, "stats": list(self._stats), "pipelining": self.pipelining,
+            "cycle_start": self.cycle_start, "stats": self._stats.tolist(), "pipelining": self.pipelining,
         }
         if self.pipelining:
             state["global_weights"] = {n: W.clone() for n, W in zip(names, self.W)}
@@ -457,19 +462,22 @@ class BoundCPSGD(BoundAlgorithm):
         self.corrections = int(state["corrections"])
         self.period = state["period"]
         self.cycle_start = int(state["cycle_start"])
-        self._stats = [float(x) for x in state["stats"]]
+        self._stats = self._stats_tensor([float(x) for x in state["stats"]])
         self.pipelining = bool(state["pipelining"])
         if self.pipelining:
             with torch.no_grad():
                 for n, W in zip(names, self.W):
                     W.copy_(state["global_weights"][n])
         self.in_flight = None
+        # the tensors kept as they are land on the parameters' device, wherever they were loaded
+        device = self.ctx.params[0].device
         if "in_flight" in state:
-            pending = state["in_flight"]
-            self.in_flight = _InFlight.resolved(self, [pending.get(n) for n in names], state.get("in_flight_measure"),
+            pending = to_device(state["in_flight"], device)
+            self.in_flight = _InFlight.resolved(self, [pending.get(n) for n in names],
+                                                to_device(state.get("in_flight_measure"), device),
                                                 [tuple(r) for r in state.get("in_flight_exact", [])])
-        self._measure = state.get("measure")
-        prev = state.get("prev_local")
+        self._measure = to_device(state.get("measure"), device)
+        prev = to_device(state.get("prev_local"), device)
         self._prev_local = None if prev is None else [prev.get(n) for n in names]
         self.reducer.load_state_dict(state["collective"])
 
@@ -557,40 +565,54 @@ class _InFlight:
             for k, i in enumerate(b.param_indices):
                 if flags is not None and not flags[k]:
                     continue
-                p = algo.ctx.params[i]
-                grads[i] = out[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p)
+                p = algo.ctx.params[i]      # the reducer's fp32, in the parameter's dtype
+                grads[i] = out[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p).to(p.dtype)
         self._result = grads
         return grads
 
 
+def _exact_spans(ranges, bucket: int) -> list[tuple[int, int]]:
+    """The union of the ``(bucket, lo, hi)`` ranges of ``bucket``: sorted, disjoint spans."""
+    spans: list[list[int]] = []
+    for lo, hi in sorted((lo, hi) for bi, lo, hi in ranges if bi == bucket and hi > lo):
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    return [(lo, hi) for lo, hi in spans]
+
+
 def _measurement(flight: _InFlight, grads, local, params) -> torch.Tensor:
     """This rank's (d, n_compressed, v, n_exact) of :class:`PeriodController` for the step
-    ``flight`` carried; ``local`` are this rank's gradients of that step."""
-    masks: dict[int, torch.Tensor] = {}
+    ``flight`` carried; ``local`` are this rank's gradients of that step.
+
+    No host sync: the sums stay on the gradients' device (float64 0-dim tensors, added in the
+    order and precision of Python floats: the same bits), and which elements went exact is
+    known on the host (``flight.ranges``), so the counts and the exact elements (contiguous
+    slices, in index order) need no read-back."""
     buckets = flight.algo.buckets.buckets
-    device = params[0].device     # the gradients' device: the masks index them, the result rides with them
-    for bi, lo, hi in flight.ranges:
-        if bi not in masks:
-            masks[bi] = torch.zeros(buckets[bi].numel, dtype=torch.bool, device=device)
-        masks[bi][lo:hi] = True
-    d = v = n_e = n_c = 0.0
+    device = params[0].device     # the gradients' device: the result rides with them
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    d = v = zero
+    n_e = n_c = 0
     with torch.no_grad():
         for b in buckets:
-            mask = masks.get(b.index)
+            spans = _exact_spans(flight.ranges, b.index)
             for k, i in enumerate(b.param_indices):
                 G, g = grads[i], local[i]
                 if G is None:
                     continue
                 sq = ((G - g) if g is not None else G).reshape(-1).square()
-                total = float(sq.sum())
-                ex_sum, ex_n = 0.0, 0
-                if mask is not None:
-                    m = mask[b.offsets[k]:b.offsets[k] + params[i].numel()]
-                    ex_n = int(m.sum())
-                    if ex_n:
-                        ex_sum = float(sq[m].sum())
-                d += total - ex_sum
+                total = sq.sum().double()
+                o, n = b.offsets[k], params[i].numel()
+                parts = [sq[max(lo, o) - o:min(hi, o + n) - o] for lo, hi in spans if lo < o + n and hi > o]
+                ex_n = sum(x.numel() for x in parts)
+                ex_sum = zero
+                if ex_n:
+                    ex_sum = (parts[0] if len(parts) == 1 else torch.cat(parts)).sum().double()
+                d = d + (total - ex_sum)
                 n_c += sq.numel() - ex_n
-                v += ex_sum
+                v = v + ex_sum
                 n_e += ex_n
-    return torch.tensor([d, n_c, v, n_e], dtype=torch.float32, device=device)
+        counts = torch.tensor([float(n_c), float(n_e)], dtype=torch.float64, device=device)
+        return torch.stack([d, counts[0], v, counts[1]]).to(torch.float32)

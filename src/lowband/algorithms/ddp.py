@@ -355,7 +355,7 @@ class BoundDDPPowerSGD(BoundDDP):
         s.error_dict = {int(k): v.clone() for k, v in state["error"].items()}
         s.p_memory_dict = {int(k): v.clone() for k, v in state["p_memory"].items()}
         s.q_memory_dict = {int(k): v.clone() for k, v in state["q_memory"].items()}
-        s.rng.set_state(("MT19937", state["rng_keys"].numpy().astype(np.uint32), state["rng_pos"],
+        s.rng.set_state(("MT19937", state["rng_keys"].cpu().numpy().astype(np.uint32), state["rng_pos"],
                          state["rng_has_gauss"], state["rng_cached_gaussian"]))
         s.total_numel_before_compression = int(state["numel_before"])
         s.total_numel_after_compression = int(state["numel_after"])

@@ -469,6 +469,7 @@ class BoundLazyUpdate(BoundAlgorithm):
             return piece
 
         accs = [take(a.numel()) for a in self.acc]          # the sums over the window of global means
+        # host reads, on sync steps only: these flags and the interval rule's norms are decisions (docs/architecture.md)
         flags = take(len(self.acc)).tolist()
         wholly = len(self.lazy_indices)
         for k, i in enumerate(self.accumulated):

@@ -15,20 +15,29 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..device import collective_device
+from ..streams import GpuWaits, on_cuda
 from .wire import allgather_bytes, allreduce_bytes, alltoall_bytes
+
+#: CUDA-timed waits kept before the completed ones are collected on the next wait, so that a
+#: loop that never reads its stats does not accumulate events
+GPU_WAITS_COLLECT_AT = 256
 
 
 @dataclass
 class CommStats:
     """Running totals for one rank (``steps`` is advanced by the engine). All counters only
-    grow; callers diff snapshots."""
+    grow; callers diff snapshots. ``comm_wait_s`` is exposed communication (:meth:`exposed`);
+    on CUDA it is collected from timing events as they complete, so it may lag the steps
+    that caused it until :meth:`collect_gpu_waits` with ``block=True`` (the engine's
+    ``synchronize``)."""
 
     steps: int = 0
     skipped_steps: int = 0          # steps dropped on all ranks for a non-finite gradient
@@ -39,6 +48,7 @@ class CommStats:
     comm_wait_s: float = 0.0
     by_op: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _gpu_waits: GpuWaits = field(default_factory=GpuWaits, repr=False, compare=False)
 
     def record(self, op: str, payload: int, sent: float, received: float) -> None:
         with self._lock:   # background collectives record from their own thread
@@ -53,7 +63,39 @@ class CommStats:
         entry[0] += 1
         entry[1] += int(round(sent))
 
+    @contextmanager
+    def exposed(self, device: Optional[torch.device] = None) -> Iterator[None]:
+        """Charge the time spent inside to ``comm_wait_s``: wall time, or for a ``cuda`` device
+        the time of that device's current stream between an event before the body and one
+        after it (the body makes the stream wait for communication, without blocking the
+        host under NCCL), collected later without a host sync (:class:`lowband.streams.GpuWaits`)."""
+        if not on_cuda(device):
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.comm_wait_s += time.perf_counter() - t0
+            return
+        start = GpuWaits.mark(device)
+        try:
+            yield
+        finally:
+            end = GpuWaits.mark(device)
+            with self._lock:
+                self._gpu_waits.add(start, end)
+                if len(self._gpu_waits) >= GPU_WAITS_COLLECT_AT:
+                    self.comm_wait_s += self._gpu_waits.collect()
+
+    def collect_gpu_waits(self, block: bool = False) -> None:
+        """Add the CUDA-timed waits that have completed to ``comm_wait_s`` (all of them, after
+        a host sync, with ``block``). Nothing to do, and no CUDA call, on the CPU."""
+        if not len(self._gpu_waits):
+            return
+        with self._lock:
+            self.comm_wait_s += self._gpu_waits.collect(block)
+
     def snapshot(self) -> dict:
+        self.collect_gpu_waits()
         with self._lock:   # by_op too: a background thread may insert a key meanwhile
             d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
             d["by_op"] = {k: list(v) for k, v in self.by_op.items()}
@@ -68,18 +110,21 @@ class TimedWork:
     """A pending collective whose ``wait()`` time is charged to the exposed-communication
     clock (unless the communicator runs on a background thread, whose waits hide nothing)."""
 
-    def __init__(self, work: Optional[dist.Work], stats: CommStats, timed: bool = True):
+    def __init__(self, work: Optional[dist.Work], stats: CommStats, timed: bool = True,
+                 device: Optional[torch.device] = None):
         self._work = work
         self._stats = stats
         self._timed = timed
+        self._device = device     # the tensor's: on CUDA the wait is timed with events
 
     def wait(self) -> None:
         if self._work is None:
             return
-        t0 = time.perf_counter()
-        self._work.wait()
         if self._timed:
-            self._stats.comm_wait_s += time.perf_counter() - t0
+            with self._stats.exposed(self._device):
+                self._work.wait()
+        else:
+            self._work.wait()
         self._work = None
 
     def is_completed(self) -> bool:
@@ -114,8 +159,8 @@ class Communicator:
         self.device = collective_device(group)
 
     # -- helpers --------------------------------------------------------------------------
-    def _finish(self, work, async_op: bool) -> TimedWork:
-        tw = TimedWork(work, self.stats, self.time_waits)
+    def _finish(self, work, async_op: bool, device: torch.device) -> TimedWork:
+        tw = TimedWork(work, self.stats, self.time_waits, device)
         if not async_op:
             tw.wait()
         return tw
@@ -130,7 +175,7 @@ class Communicator:
         wire = allreduce_bytes(n, p)
         self.stats.record("all_reduce", n, wire, wire)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True) if p > 1 else None
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, tensor.device)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> TimedWork:
         """Gather ``tensor`` from every rank into ``output`` (shape ``[world, *tensor.shape]`` or flat)."""
@@ -141,7 +186,7 @@ class Communicator:
         else:
             output.view(-1).copy_(tensor.view(-1))
             work = None
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, tensor.device)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> TimedWork:
         """Even-split all-to-all: chunk i of ``tensor`` goes to rank i."""
@@ -153,7 +198,7 @@ class Communicator:
         else:
             output.copy_(tensor)
             work = None
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> TimedWork:
         n, p = self._nbytes(tensor), self.world_size
@@ -161,7 +206,7 @@ class Communicator:
         received = 0 if self.rank == src else n
         self.stats.record("broadcast", n, sent, received)
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True) if p > 1 else None
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, tensor.device)
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
