@@ -491,9 +491,9 @@ def test_bad_options():
         lowband.LazyUpdate(window_step="mean")
 
 
-def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path):
+def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path, capsys):
     from lowband.bench import lazy_stats
-    from lowband.report import lazy_table, plot_tau
+    from lowband.report import derive, lazy_table, plot_tau, print_tables
     steps = [{"step": t, "tau": tau, "lazy_synced": s}
              for t, (tau, s) in enumerate([(2, True), (2, False), (3, True), (3, False), (3, False), (2, True)], 1)]
     stats = lazy_stats(steps)
@@ -505,6 +505,8 @@ def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path):
             {**base, "algorithm": "lazy:bucket_mb=0.25", "median_comm_wait_ms": 10.0, **stats}]
     table = lazy_table(rows)
     assert "| 200mbit | 2 | lazy:bucket_mb=0.25 | 50.0% | 2.50 | 2 | 100.0 | 100.0 | 10.0 | 40.0 | 0.25 |" in table
+    print_tables(derive(rows))            # what `lowband bench` and `lowband report` print
+    assert table in capsys.readouterr().out
     assert plot_tau(rows, str(tmp_path)) == ["tau_over_steps.png"] and (tmp_path / "tau_over_steps.png").exists()
     assert lazy_table(rows[:1]) == "" and plot_tau(rows[:1], str(tmp_path)) == []
 

@@ -379,8 +379,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import RESULTS_FILE, run_on_link
     from .runner import RunFailed
     from .metrics import read_jsonl, write_json_atomic
-    from .report import (derive, eval_points, markdown_table, plot, render_section, target_summary, target_table,
-                         update_doc)
+    from .report import derive, eval_points, plot, print_tables, render_section, update_doc
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if not algorithms:
@@ -437,9 +436,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"{row['algorithm']} x{row['workers']} over {row['bandwidth']}: median step ms of the "
                   f"{args.repeat} runs " + ", ".join(f"{x:.1f}" for x in row["median_step_ms_repeats"])
                   + f" (reported: run {row['repeat']})", file=sys.stderr)
-    print(target_table(derive(rows)))
-    print("\n".join(target_summary(derive(rows))))
-    print(markdown_table(derive(rows)))
+    print_tables(derive(rows))
     images = plot(derive(rows), args.out)
     print(f"results: {os.path.join(args.out, RESULTS_FILE)}; plots: {', '.join(images)}", file=sys.stderr)
     if args.doc:

@@ -436,14 +436,20 @@ def update_doc(doc_path: str, body: str, section: str = DEFAULT_SECTION) -> None
         f.write(text)
 
 
-def main_report(results_path: str, doc: Optional[str], images: Optional[str], section: str = DEFAULT_SECTION) -> int:
-    results = load(results_path)
-    rows = derive(results["rows"])
+def print_tables(rows: Sequence[dict[str, Any]]) -> None:
+    """What ``lowband bench`` and ``lowband report`` print: time to target, the per-run table,
+    and the lazy update's table where there are lazy runs (``rows`` already derived)."""
     print(target_table(rows))
     print("\n".join(target_summary(rows)))
     print(markdown_table(rows))
     if lazy_table(rows):
         print("\n" + lazy_table(rows))
+
+
+def main_report(results_path: str, doc: Optional[str], images: Optional[str], section: str = DEFAULT_SECTION) -> int:
+    results = load(results_path)
+    rows = derive(results["rows"])
+    print_tables(rows)
     if images:
         os.makedirs(images, exist_ok=True)
         plot(rows, images)
