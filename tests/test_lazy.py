@@ -201,7 +201,8 @@ class _RankOrdered(nn.Module):
 def _two_rank_suite(rank: int, world: int) -> dict:
     out = {}
     for key, variant, layers, window_step in (("probe", "probe", 1, "sum"), ("vote", "vote", 2, "sum"),
-                                             ("probe-scaled", "probe", 1, "scaled")):
+                                             ("probe-scaled", "probe", 1, "scaled"),
+                                             ("probe-replay", "probe", 1, "replay")):
         params, metrics, _ = _train(rank, world, SmallNet, "lazy",
                                     {"lazy_layers": layers, "variant": variant, "window_step": window_step})
         out[key] = params, [(t + 1, m["tau"]) for t, m in enumerate(metrics) if m["lazy_synced"]]
@@ -231,10 +232,12 @@ def two_ranks():
     return run_distributed(_two_rank_suite, 2, timeout_s=SUITE_TIMEOUT_S)
 
 
-def simulate(world: int, lazy_names: list[str], variant: str, scaled: bool = False):
+def simulate(world: int, lazy_names: list[str], variant: str, window_step: str = "sum"):
     """B.2.3 written out for N simulated workers: lazy parameters accumulate per worker, every
     tau steps the global sums are applied in one optimizer step, tau adapts from the probe.
-    ``scaled``: that step's change of the lazy parameters is multiplied by the window length."""
+    ``window_step="scaled"``: that step's change of the lazy parameters is multiplied by the
+    window length n; ``"replay"``: the step takes the window's mean gradient, then n - 1 more
+    optimizer steps are taken with the regular parameters' gradients removed."""
     torch.manual_seed(0)
     model = SmallNet()
     opt = make_optimizer("sgd", model)
@@ -262,7 +265,7 @@ def simulate(world: int, lazy_names: list[str], variant: str, scaled: bool = Fal
             p.grad = None if n in acc else mean[n]
         if sync:
             for n in acc:
-                named[n].grad = acc[n].clone()
+                named[n].grad = acc[n] / window if window_step == "replay" and window > 1 else acc[n].clone()
             if variant == "probe":
                 probe = layers[-1]
                 keys = [k for k in lazy_names if k.startswith(probe + ".")]
@@ -278,10 +281,16 @@ def simulate(world: int, lazy_names: list[str], variant: str, scaled: bool = Fal
             history.append((t + 1, tau))
         before = {n: named[n].detach().clone() for n in acc}
         opt.step()
-        if sync and scaled and window > 1:
+        if sync and window_step == "scaled" and window > 1:
             with torch.no_grad():
                 for n in acc:
                     named[n].copy_(before[n] + window * (named[n] - before[n]))
+        if sync and window_step == "replay" and window > 1:
+            for n, p in named.items():
+                if n not in acc:
+                    p.grad = None
+            for _ in range(window - 1):
+                opt.step()
     return {n: p.detach().clone() for n, p in named.items()}, history
 
 
@@ -289,9 +298,10 @@ def simulate(world: int, lazy_names: list[str], variant: str, scaled: bool = Fal
     ("probe", "probe", ["conv.weight", "conv.bias"]),
     ("vote", "vote", ["conv.weight", "conv.bias", "fc1.weight", "fc1.bias"]),
     ("probe-scaled", "probe", ["conv.weight", "conv.bias"]),
+    ("probe-replay", "probe", ["conv.weight", "conv.bias"]),
 ])
 def test_lazy_matches_simulation(two_ranks, key, variant, lazy_names):
-    reference, ref_history = simulate(2, lazy_names, variant, scaled=key.endswith("scaled"))
+    reference, ref_history = simulate(2, lazy_names, variant, window_step=key.partition("-")[2] or "sum")
     for per_rank in two_ranks:
         params, history = per_rank[key]
         assert history == ref_history
@@ -300,6 +310,16 @@ def test_lazy_matches_simulation(two_ranks, key, variant, lazy_names):
     assert max(tau for _, tau in ref_history) >= 3         # the interval really adapted
     assert len(ref_history) < STEPS                        # and syncs were skipped
     assert max_rel_err(two_ranks[0][key][0], two_ranks[1][key][0]) == 0.0
+
+
+def test_window_steps_differ_in_the_simulation():
+    """The window-step references are three different trajectories (else the tests above could
+    not tell the window steps apart)."""
+    names = ["conv.weight", "conv.bias"]
+    runs = {w: simulate(2, names, "probe", window_step=w) for w in ("sum", "scaled", "replay")}
+    assert runs["sum"][1][:3] == runs["replay"][1][:3]       # the same first windows
+    for a, b in (("sum", "scaled"), ("sum", "replay"), ("scaled", "replay")):
+        assert max_rel_err(runs[a][0], runs[b][0]) > 1e-4
 
 
 @pytest.mark.parametrize("name", ["pair", "lm"])

@@ -54,7 +54,7 @@ from .buckets import Bucket, BucketSet
 
 VARIANTS = ("probe", "vote")
 TIED = ("regular", "split")
-WINDOW_STEPS = ("auto", "sum", "scaled")
+WINDOW_STEPS = ("auto", "sum", "scaled", "replay")
 #: lookup tables: in a model whose forward starts with them they are the input side, and under
 #: an adaptive optimizer their window step is scaled (``window_step="auto"``)
 EMBEDDING_LAYERS = (nn.Embedding, nn.EmbeddingBag)
@@ -207,7 +207,12 @@ class LazyUpdate(Algorithm):
             as far as the window's n ordinary steps. ``"scaled"``: the same step, then the
             lazy parameters' change is multiplied by n; for optimizers whose step does not grow
             with the gradient's size (Adam, AdamW: one step on the sum moves about one learning
-            rate, 1/n of what ``ssgd`` moves them in the same n steps). ``"auto"`` (default):
+            rate, 1/n of what ``ssgd`` moves them in the same n steps). ``"replay"``: n optimizer
+            steps of the lazy parameters, each with the window's mean gradient (sum / n), the
+            first together with the regular layers' step: momentum, weight decay and Adam's
+            moments then evolve as over ``ssgd``'s n steps when the window's gradients agree,
+            which is what the interval rule checks (not in the paper's code; n - 1 extra
+            optimizer steps over the lazy parameters only). ``"auto"`` (default):
             ``"scaled"`` for the parameters of lazy embedding layers under an adaptive
             optimizer (``ADAPTIVE_OPTIMIZERS``), ``"sum"`` for everything else. Measured
             (AdamW, 200 steps, 2 seeds, docs/lazy.md): on ``gpt-ngram``'s lazy embedding
@@ -414,6 +419,8 @@ class BoundLazyUpdate(BoundAlgorithm):
         self.ctx.optimizer.step()
         for p, before in scaled:       # before + n (after - before)
             p.data.sub_(before).mul_(window).add_(before)
+        if self.synced and window > 1 and self.cfg.window_step == "replay":
+            self._replay(window - 1)
         self.buckets.reset()
         self.t += 1
         if self.plan is None:
@@ -424,9 +431,9 @@ class BoundLazyUpdate(BoundAlgorithm):
                 self.tau, self.syncs, self.synced = self._capped(self.tau + 1), self.syncs + 1, True
 
     def _scaled_parameters(self, plan: Optional[LazyPlan]) -> list[int]:
-        """Which lazy parameters ``window_step`` scales: all (``"scaled"``), none (``"sum"``),
-        or (``"auto"``) those of embedding layers when the optimizer is adaptive."""
-        if plan is None or self.cfg.window_step == "sum":
+        """Which lazy parameters ``window_step`` scales: all (``"scaled"``), none (``"sum"``,
+        ``"replay"``), or (``"auto"``) those of embedding layers when the optimizer is adaptive."""
+        if plan is None or self.cfg.window_step in ("sum", "replay"):
             return []
         if self.cfg.window_step == "scaled":
             return list(self.lazy_indices)
@@ -444,6 +451,22 @@ class BoundLazyUpdate(BoundAlgorithm):
             return []
         params = self.ctx.params
         return [(params[i], params[i].detach().clone()) for i in self.scaled_indices if params[i].grad is not None]
+
+    def _replay(self, steps: int) -> None:
+        """``window_step="replay"``: ``steps`` more optimizer steps of the wholly lazy parameters
+        on the window's mean gradient (their ``.grad``); every other parameter's gradient is
+        held aside meanwhile, so the optimizer skips it, and put back."""
+        lazy = {id(self.ctx.params[i]) for i in self.lazy_indices}
+        held = [(p, p.grad) for group in self.ctx.optimizer.param_groups for p in group["params"]
+                if id(p) not in lazy and p.grad is not None]
+        for p, _ in held:
+            p.grad = None
+        try:
+            for _ in range(steps):
+                self.ctx.optimizer.step()
+        finally:
+            for p, g in held:
+                p.grad = g
 
     def _latest_needed(self) -> list[int]:
         """Accumulator positions whose latest gradient the interval rule needs at this sync;
@@ -472,10 +495,11 @@ class BoundLazyUpdate(BoundAlgorithm):
         # host reads, on sync steps only: these flags and the interval rule's norms are decisions (docs/architecture.md)
         flags = take(len(self.acc)).tolist()
         wholly = len(self.lazy_indices)
+        replay = self.cfg.window_step == "replay" and self.n > 1     # n steps of the window's mean
         for k, i in enumerate(self.accumulated):
             part = accs[k].view_as(params[i])
             if k < wholly:
-                params[i].grad = part.clone() if flags[k] > 0 else None
+                params[i].grad = (part / self.n if replay else part.clone()) if flags[k] > 0 else None
             elif flags[k] > 0:        # a split weight: this step's regular part + the window's lazy part
                 params[i].grad = part.clone() if params[i].grad is None else params[i].grad.add_(part)
         latest = {k: take(self.acc[k].numel()) for k in self._latest_needed()}
