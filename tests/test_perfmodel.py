@@ -10,7 +10,7 @@ from lowband.algorithms.buckets import plan_buckets
 from lowband.collectives import wire
 from lowband.perf.model import MODELS, Cluster, algorithm_defaults, estimate, lazy_split
 from lowband.perf.network import Network, parse_latency
-from lowband.perf.profile import CodecInfo, ParamInfo, Profile, load_profile
+from lowband.perf.profile import CodecInfo, ParamInfo, Profile, ProfileError, load_profile
 from lowband.perf.simulate import Graph, Task, TokenBucket
 
 GBIT = 1e9
@@ -504,3 +504,37 @@ def test_the_step_model_applies_the_links_bucket_and_zero_burst_is_the_plain_rat
     assert est1.bytes_sent == pytest.approx(est0.bytes_sent) == pytest.approx(wire_bytes)
     with pytest.raises(ValueError):
         Network(50e6, burst_bytes=-1)
+
+
+@pytest.mark.parametrize("model_name", ["gpt-ngram", "resnet20"])
+def test_measured_profile_records_the_lazy_updates_default_set(model_name, tmp_path):
+    """A measured profile keeps the lazy set that the algorithm picks from the forward order,
+    and the model uses it: a language model's embedding tables; ResNet-20's stage-2
+    projection as the probe (registered after conv2, so the registration rule would miss it)."""
+    from lowband.algorithms.lazy import ForwardOrder, LazyPlan, input_side_layers
+    from lowband.models import make_model
+    from lowband.perf.profile import measure_compute, _example_batch
+    c = measure_compute(model_name, batch_size=2, reps=1, warmup=0)
+    prof = make_profile([p.numel for p in c["params"]], [0.0] * len(c["params"]))
+    prof.params, prof.lazy_default = c["params"], c["lazy_default"]
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    prof = load_profile(str(path))                             # survives the file
+    lazy, probe = lazy_split(prof, None)
+    model = make_model(model_name)
+    recorder = ForwardOrder(input_side_layers(model))
+    model(_example_batch(model_name, model, 2)[0])
+    params = [p for p in model.parameters() if p.requires_grad]
+    plan = LazyPlan.build(model, params, recorder.order, None)
+    assert lazy == plan.indices and probe == plan.slices[-1]
+    names = [p.name for p in prof.params]
+    if model_name == "gpt-ngram":
+        assert [names[i] for i in lazy] == ["pos.weight", "ngrams.0.weight", "ngrams.1.weight"]
+    else:
+        assert [names[i] for i in probe] == ["layers.3.shortcut.0.weight"]
+    recorded = prof.lazy_default
+    prof.lazy_default = None                                   # a hand-written profile: registration order
+    assert lazy_split(prof, None) != (lazy, probe)
+    prof.lazy_default = dict(recorded, parameters=["nope"])
+    with pytest.raises(ProfileError, match="lazy_default"):
+        prof.check()

@@ -481,12 +481,19 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
 
 
 def lazy_split(prof: Profile, lazy_layers: Optional[int]) -> tuple[list[int], list[int]]:
-    """(lazy parameter indices, probe parameter indices) by the rule of
-    :class:`lowband.algorithms.lazy.LazyUpdate`: parameterised non-norm modules in registration
-    order, the first ``lazy_layers`` (default min(8, half of them)) lazy, the last lazy one the
-    probe. A profile records no module kinds, so the default for models that start with
-    embedding tables (those tables) is not applied here: pass ``lazy_layers`` for them."""
+    """(lazy parameter indices, probe parameter indices) of the lazy update. With
+    ``lazy_layers=None`` and a measured profile: the default set that
+    :class:`lowband.algorithms.lazy.LazyPlan` chose from the model's forward order when it was
+    profiled (``Profile.lazy_default``: a language model's leading embedding tables, else
+    PCNN's 8 layers). Otherwise (an explicit count, or a hand-written profile) the rule of
+    :class:`lowband.algorithms.lazy.LazyUpdate` in registration order: parameterised non-norm
+    modules, the first ``lazy_layers`` (default min(8, half of them)) lazy, the last lazy one
+    the probe (registration order can differ from forward order: ResNet's projections)."""
     from ..algorithms.lazy import DEFAULT_LAZY_LAYERS
+    if lazy_layers is None and prof.lazy_default is not None:
+        index = {p.name: i for i, p in enumerate(prof.params)}
+        return ([index[n] for n in prof.lazy_default["parameters"]],
+                [index[n] for n in prof.lazy_default["probe"]])
     modules: list[str] = []
     for p in prof.params:
         if not p.norm and p.module not in modules:

@@ -132,6 +132,10 @@ class Profile:
     machine: str = ""
     date: str = ""
     notes: list[str] = field(default_factory=list)
+    #: the lazy update's default lazy set on this model, as ``LazyPlan`` chose it from the
+    #: forward order while profiling: ``{"parameters": [names], "probe": [names]}``. None (a
+    #: hand-written profile): ``perf.model.lazy_split`` applies PCNN's rule in registration order
+    lazy_default: Optional[dict[str, list[str]]] = None
 
     # -- derived ------------------------------------------------------------------------
     @property
@@ -208,6 +212,13 @@ class Profile:
         for name, x in self.engine_overhead_s.items():
             if not (isinstance(x, (int, float)) and x >= 0):
                 raise ProfileError(f"{where}: engine_overhead_s[{name!r}] must be seconds >= 0")
+        if self.lazy_default is not None:
+            names = {p.name for p in self.params}
+            for key in ("parameters", "probe"):
+                unknown = [x for x in self.lazy_default.get(key, []) if x not in names]
+                if key not in self.lazy_default or unknown:
+                    raise ProfileError(f"{where}: lazy_default[{key!r}] must list parameters of the profile "
+                                       f"(unknown: {unknown})" if unknown else f"{where}: lazy_default has no {key!r}")
         for name, c in self.codecs.items():
             if not (c.encode_gbps > 0 and c.decode_gbps > 0):
                 raise ProfileError(f"{where}: codec {name!r} needs positive encode_gbps and decode_gbps")
@@ -243,11 +254,12 @@ def _median(xs: Sequence[float]) -> float:
 def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: int = 5, threads: int = 1,
                     lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 1e-4) -> dict[str, Any]:
     """Forward, per-parameter backward (gradient-ready hooks) and optimizer times of one
-    worker, with the optimizer lowband's runs use (SGD with momentum and weight decay)."""
+    worker, with the optimizer lowband's runs use (SGD with momentum and weight decay), and the
+    lazy update's default lazy set (from the order in which modules first run in forward)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
-    from ..algorithms.lazy import NORM_LAYERS
+    from ..algorithms.lazy import NORM_LAYERS, ForwardOrder, LazyPlan, input_side_layers
     from .. import tasks
     from ..models import make_model
 
@@ -266,12 +278,14 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
              for i, (_, p) in enumerate(named)]
     x, y = _example_batch(model_name, model, batch_size)
+    recorder = ForwardOrder(input_side_layers(model))
     fwd, bwd_end, opt_t, ready = [], [], [], []
     for r in range(warmup + reps):
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss = tasks.loss(model(x), y)
         t1 = time.perf_counter()
+        recorder.close()
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
@@ -291,7 +305,10 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
         backward_s.append(max(0.0, med_ready[i] - prev))
         prev = max(prev, med_ready[i])
     buffers = sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
-    return {"params": params, "ready_order": order, "backward_s": backward_s,
+    plan = LazyPlan.build(model, [p for _, p in named], recorder.order, None)
+    lazy_default = {"parameters": [named[i][0] for i in plan.indices],
+                    "probe": [named[i][0] for i in plan.slices[-1]] if plan.slices else []}
+    return {"params": params, "ready_order": order, "backward_s": backward_s, "lazy_default": lazy_default,
             "backward_tail_s": max(0.0, _median(bwd_end) - prev), "forward_s": _median(fwd),
             "optimizer_s": _median(opt_t), "buffer_bytes": int(buffers), "fused_update_s": fused_s}
 
@@ -596,6 +613,7 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
         params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
         backward_tail_s=c["backward_tail_s"], buffer_bytes=c["buffer_bytes"],
         fused_update_s=c["fused_update_s"], powersgd_hook_s=hook, engine_overhead_s=overhead, codecs=infos,
+        lazy_default=c["lazy_default"],
         codec_shares_compute=True,
         source=f"measured by `lowband profile --model {model_name} --batch-size {batch_size}` "
                f"(median of {reps} steps, {threads} thread(s), torch {torch.__version__})",
