@@ -535,6 +535,7 @@ def test_measured_profile_records_the_lazy_updates_default_set(model_name, tmp_p
     recorded = prof.lazy_default
     prof.lazy_default = None                                   # a hand-written profile: registration order
     assert lazy_split(prof, None) != (lazy, probe)
-    prof.lazy_default = dict(recorded, parameters=["nope"])
-    with pytest.raises(ProfileError, match="lazy_default"):
-        prof.check()
+    for bad in (dict(recorded, parameters=["nope"]), {"parameters": recorded["parameters"]}, ["pos.weight"]):
+        prof.lazy_default = bad
+        with pytest.raises(ProfileError, match="lazy_default"):
+            prof.check()

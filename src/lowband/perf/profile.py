@@ -214,11 +214,11 @@ class Profile:
                 raise ProfileError(f"{where}: engine_overhead_s[{name!r}] must be seconds >= 0")
         if self.lazy_default is not None:
             names = {p.name for p in self.params}
-            for key in ("parameters", "probe"):
-                unknown = [x for x in self.lazy_default.get(key, []) if x not in names]
-                if key not in self.lazy_default or unknown:
-                    raise ProfileError(f"{where}: lazy_default[{key!r}] must list parameters of the profile "
-                                       f"(unknown: {unknown})" if unknown else f"{where}: lazy_default has no {key!r}")
+            lists = [self.lazy_default.get(k) if isinstance(self.lazy_default, dict) else None
+                     for k in ("parameters", "probe")]
+            if not all(isinstance(x, list) and set(x) <= names for x in lists):
+                raise ProfileError(f"{where}: lazy_default must be {{\"parameters\": [...], \"probe\": [...]}} "
+                                   f"naming parameters of the profile")
         for name, c in self.codecs.items():
             if not (c.encode_gbps > 0 and c.decode_gbps > 0):
                 raise ProfileError(f"{where}: codec {name!r} needs positive encode_gbps and decode_gbps")
@@ -278,14 +278,16 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
              for i, (_, p) in enumerate(named)]
     x, y = _example_batch(model_name, model, batch_size)
-    recorder = ForwardOrder(input_side_layers(model))
+    recorder = ForwardOrder(input_side_layers(model))     # one untimed forward: the lazy update's order
+    with torch.no_grad():
+        model(x)
+    recorder.close()
     fwd, bwd_end, opt_t, ready = [], [], [], []
     for r in range(warmup + reps):
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss = tasks.loss(model(x), y)
         t1 = time.perf_counter()
-        recorder.close()
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
