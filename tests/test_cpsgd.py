@@ -18,7 +18,7 @@ from lowband.collectives.wire import MIB
 from lowband.compressors import ErrorFeedback, make_compressor
 
 from .distributed import run_distributed
-from .training import SmallNet, batches, make_optimizer, max_rel_err, run_algorithm
+from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of, run_algorithm
 
 STEPS = 12
 BUCKET_MB = 0.01
@@ -380,3 +380,78 @@ def test_native_kernels_and_fused_sgd_step_equal_the_torch_path_end_to_end():
         for n in p_n:
             assert torch.equal(p_n[n], p_t[n]), n
         assert all(torch.equal(a, b) for a, b in zip(b_n, b_t))
+
+
+# -- the link-fitting correction period ------------------------------------------------------
+def test_link_fit_rule_grows_shrinks_and_holds_inside_its_band():
+    from lowband.algorithms.cpsgd import LinkFitController
+    rule = LinkFitController(base=4, max_period=64)
+    assert rule.decide(4, busy=1.0, compute=1.0) == 5          # 1.0 / 0.8 = 1.25x
+    assert rule.decide(4, busy=3.0, compute=1.0) == 8          # at most doubled per cycle
+    assert rule.decide(40, busy=3.0, compute=1.0) == 64        # capped at max_period
+    assert rule.decide(16, busy=0.7, compute=1.0) == 16        # inside [0.6, 0.9]: holds
+    assert rule.decide(16, busy=0.5, compute=1.0) == 12        # fits with room: 3/4
+    assert rule.decide(5, busy=0.0, compute=1.0) == 4          # never below the configured k
+    for busy, compute in ((float("nan"), 1.0), (1.0, float("nan")), (1.0, 0.0)):
+        assert rule.decide(7, busy, compute) == 7                # nothing measured: unchanged
+
+
+def _run_fit(rank: int, world: int, options: dict, busy_until: int, steps: int):
+    """cpsgd with ``fit_period``, the pipeline's measured time per step replaced by a rank-
+    dependent figure (10 s and 30 s: far beyond any compute step) until step ``busy_until``,
+    then 0: every rank must still choose the same k, from the agreed mean. Returns the final
+    weights, each step's k, and the fit state a fresh engine reads back from a checkpoint."""
+    from lowband.algorithms import cpsgd
+    real = cpsgd._InFlight.busy_s
+    cpsgd._InFlight.busy_s = lambda self: (10.0 + 20.0 * rank) if self.algo.t < busy_until else 0.0
+    try:
+        torch.manual_seed(0)
+        model = SmallNet()
+        opt = sgd(model)
+        engine = lowband.distribute(model, opt, "cpsgd", **options)
+        it, periods = batches(rank, world).epoch(0), []
+        for _ in range(steps):
+            x, y = next(it)
+            opt.zero_grad()
+            F.cross_entropy(engine.module(x), y).backward()
+            engine.step()
+            periods.append(engine.bound.step_metrics()["correction_period"])
+        state = engine.state_dict()
+        fresh = SmallNet()
+        twin = lowband.distribute(fresh, sgd(fresh), "cpsgd", **options)
+        twin.load_state_dict(state)
+        restored = (twin.bound.period, twin.bound._fit_agreed is None, copy.deepcopy(twin.bound._fit_times))
+        saved = (engine.bound.period, engine.bound._fit_agreed is None, copy.deepcopy(engine.bound._fit_times))
+        twin.close()
+        engine.synchronize()
+        engine.close()
+        return params_of(model), periods, restored, saved
+    finally:
+        cpsgd._InFlight.busy_s = real
+
+
+def test_fit_period_grows_k_while_the_pipeline_does_not_fit_then_shrinks_back_and_ranks_agree():
+    options = {"warmup_steps": 2, "correction_period": 2, "fit_period": True, "fit_max_period": 16,
+               "bucket_mb": BUCKET_MB}
+    steps = 60
+    results = run_distributed(_run_fit, 2, options, 26, steps)
+    (w0, k0, restored0, saved0), (w1, k1, _, _) = results
+    assert k0 == k1                                      # decided from agreed numbers only
+    assert max_rel_err(w0, w1) == 0.0
+    pipelined = k0[2:]
+    assert pipelined[0] == 2 and max(pipelined) == 16    # doubled to the cap while "busy"
+    top = pipelined.index(16)
+    assert pipelined[:top] == sorted(pipelined[:top])    # grew monotonically
+    assert pipelined[-1] < 16                            # fits again (busy 0): shrinks toward 2
+    assert restored0 == saved0                           # the rule's state survives a checkpoint
+
+
+def test_fit_period_options_are_checked():
+    with pytest.raises(ValueError, match="choose one"):
+        lowband.CPSGD(fit_period=True, adapt_period=True)
+    with pytest.raises(ValueError, match="spread"):
+        lowband.CPSGD(fit_period=True, correction="burst")
+    with pytest.raises(ValueError, match="fit_max_period"):
+        lowband.CPSGD(fit_period=True, correction_period=20, fit_max_period=10)
+    with pytest.raises(ValueError, match="fit_period"):
+        lowband.CPSGD(fit_period=1)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -61,13 +62,23 @@ class Handle:
     ``nonfinite`` (for a bucket started with ``check_finite``) a ``[world, segments]`` bool
     array of the segments each rank found non-finite, or None when none did."""
 
-    def __init__(self, future: Future, comm: Communicator, side: SideStream, device: Optional[torch.device]):
+    def __init__(self, future: Future, comm: Communicator, side: SideStream, device: Optional[torch.device],
+                 span: Optional[list[float]] = None):
         self._future = future
         self._comm = comm
         self._side = side
         self._device = device
+        self._span = span
         self.present: Optional[torch.Tensor] = None
         self.nonfinite: Optional[np.ndarray] = None
+
+    @property
+    def span(self) -> Optional[tuple[float, float]]:
+        """``(start, end)`` of the job on the pipeline's thread (``time.perf_counter``), once
+        it has run; None before. Host time: on CUDA the job's launches, not its kernels."""
+        if self._span is None or not self._future.done():
+            return None
+        return self._span[0], self._span[1]
 
     def _unpack(self) -> torch.Tensor:
         result, self.present, *rest = self._side.consume(*self._future.result())
@@ -123,38 +134,45 @@ class Pipeline:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, args, device, ready = item
+            future, fn, args, device, ready, span = item
             if not future.set_running_or_notify_cancel():
                 continue
             if self._error is not None:
                 future.set_exception(RuntimeError(f"an earlier collective of this rank failed: {self._error!r}"))
                 continue
             try:   # the result is (fn's value, the CUDA event at its end or None)
-                future.set_result(self.side.run(lambda: fn(*args), device, ready))
+                span[0] = time.perf_counter()
+                result = self.side.run(lambda: fn(*args), device, ready)
+                span[1] = time.perf_counter()
+                future.set_result(result)
             except BaseException as exc:   # delivered to whoever waits on the job
                 self._error = exc
                 future.set_exception(exc)
 
-    def _submit(self, fn: Callable[..., Any], args: tuple, inputs: Any) -> tuple[Future, Optional[torch.device]]:
+    def _submit(self, fn: Callable[..., Any], args: tuple,
+                inputs: Any) -> tuple[Future, Optional[torch.device], list[float]]:
         """Queue the job; ``inputs`` are the tensors it reads that the caller produced (on
-        CUDA: the job runs after them, on the device of the first)."""
+        CUDA: the job runs after them, on the device of the first). The list returned gets
+        the job's start and end time on the pipeline's thread."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
         device = cuda_device_of(inputs)
         future: Future = Future()
-        self._queue.put((future, fn, args, device, self.side.ready(device, inputs)))
-        return future, device
+        span = [0.0, 0.0]
+        self._queue.put((future, fn, args, device, self.side.ready(device, inputs), span))
+        return future, device, span
 
     def submit(self, fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]], *args: Any) -> Handle:
         """Queue ``fn(*args)`` (returning ``(tensor, present)``) behind every earlier job; the
         tensors among ``args`` are its inputs."""
-        future, device = self._submit(fn, args, [a for a in args if isinstance(a, torch.Tensor)])
-        return Handle(future, self.caller, self.side, device)
+        future, device, span = self._submit(fn, args, [a for a in args if isinstance(a, torch.Tensor)])
+        return Handle(future, self.caller, self.side, device, span)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the queue (after every earlier job) and return its result
         (every tensor in ``args``, nested ones too, is an input)."""
-        return self.side.consume(*self._submit(fn, args, args)[0].result())
+        future, _, _ = self._submit(fn, args, args)
+        return self.side.consume(*future.result())
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> Handle:
         """fp32 average of a copy of ``tensor`` (no present flags: ``present`` stays None)."""

@@ -22,6 +22,8 @@ Corrections (``correction``):
 * ``"burst"``: the paper's correction — every k-th step the whole gradient goes in fp32.
 * ``adapt_period``: k changes at each cycle boundary by a rule every rank evaluates on the same
   all-reduced numbers (see :class:`PeriodController`).
+* ``fit_period``: k grows until the pipeline's measured work per step fits behind the training
+  thread's compute (see :class:`LinkFitController`), on the same all-reduced footing.
 
 Degenerate cases (tested against a slow single-process simulation): warm-up forever is S-SGD;
 ``correction_period=1`` is one-step-delayed full-precision SGD with local compensation (spread
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -95,6 +99,46 @@ class PeriodController:
 
 
 @dataclass
+class LinkFitController:
+    """The link-fitting correction period: the spread correction's fp32 share costs bytes every
+    step, and on a slow link they no longer hide behind one compute step (docs/cpsgd.md: cnn at
+    50 Mbit/s, k = 20 sends 0.21 MB per step, 33 ms of wire against a 30 ms step). This rule makes
+    k as small as the link allows.
+
+    Measured on every rank over the last k steps: ``busy``, the median of the time the
+    background thread spends running one step's jobs (codec and network), and ``compute``, the
+    median of the training thread's time per step outside the exposed wait. Their means over
+    ranks ride on a later step's fp32 all-reduce, so at the cycle boundary every rank decides
+    from the same two numbers:
+
+        busy > high * compute   ->  k = ceil(k * min(2, busy / (target * compute)))
+        busy < low * compute    ->  k = floor(k * 3 / 4)
+        otherwise                   k stays
+
+    within ``[base, max_period]`` (``base``: the configured ``correction_period``, the most
+    frequent correction the user asked for). The band between ``low`` and ``high`` keeps k from
+    flapping. The decision depends on measured time, so two runs may choose different k (each
+    step's k is in steps.jsonl, ``correction_period``); a checkpoint saves the k reached.
+    """
+
+    base: int
+    max_period: int
+    high: float = 0.9
+    low: float = 0.6
+    target: float = 0.8
+
+    def decide(self, k: int, busy: float, compute: float) -> int:
+        if not (math.isfinite(busy) and math.isfinite(compute)) or compute <= 0:
+            return k
+        if busy > self.high * compute:
+            grown = math.ceil(k * min(2.0, busy / (self.target * compute)))
+            return max(self.base, min(self.max_period, grown))
+        if busy < self.low * compute:
+            return max(self.base, min(self.max_period, (3 * k) // 4))
+        return max(self.base, min(self.max_period, k))
+
+
+@dataclass
 class CPSGD(Algorithm):
     """Knobs (defaults chosen by the measurements in docs/cpsgd.md):
 
@@ -119,6 +163,12 @@ class CPSGD(Algorithm):
         adapt_period: let k follow :class:`PeriodController` (starting at
             ``correction_period``, within ``[min_period, max_period]``).
         min_period, max_period: bounds of the adaptive k.
+        fit_period: let k follow :class:`LinkFitController` instead: k grows (up to
+            ``fit_max_period``) while the pipeline's measured codec and network time per step
+            exceeds 0.9 of the compute step, and shrinks back toward ``correction_period``
+            when it is under 0.6. For slow links where the fp32 share's bytes do not hide;
+            timing-driven, so not reproducible run to run (docs/cpsgd.md). Spread only.
+        fit_max_period: the largest k ``fit_period`` may choose.
         flush_residual_on_correction: True (the default) adds the residual of an element
             that is sent exact to its exact contribution and zeroes it; False (the paper's
             code) leaves the residual untouched there. Measured on the ResNet-20 protocol
@@ -147,6 +197,8 @@ class CPSGD(Algorithm):
     adapt_period: bool = False
     min_period: int = 2
     max_period: int = 32
+    fit_period: bool = False
+    fit_max_period: int = 256
     flush_residual_on_correction: bool = True
     compress_vectors: bool = False
     local_update: str = "optimizer"
@@ -157,7 +209,7 @@ class CPSGD(Algorithm):
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
                                 self.bucket_mb, error_feedback=True)
-        for knob, low in (("warmup_steps", 0), ("min_period", 1), ("max_period", 1)):
+        for knob, low in (("warmup_steps", 0), ("min_period", 1), ("max_period", 1), ("fit_max_period", 1)):
             v = getattr(self, knob)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"cpsgd: {knob} must be an integer >= {low}, got {v!r}")
@@ -166,12 +218,19 @@ class CPSGD(Algorithm):
             raise ValueError(f"cpsgd: correction_period must be an integer >= 1 or None, got {k!r}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"cpsgd: correction must be one of {CORRECTIONS}, got {self.correction!r}")
-        for knob in ("adapt_period", "flush_residual_on_correction", "compress_vectors"):
+        for knob in ("adapt_period", "fit_period", "flush_residual_on_correction", "compress_vectors"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"cpsgd: {knob} must be True or False, got {getattr(self, knob)!r}")
         if self.adapt_period and (k is None or self.min_period > self.max_period):
             raise ValueError("cpsgd: adapt_period needs a correction_period and min_period <= max_period, "
                              f"got correction_period={k}, min_period={self.min_period}, max_period={self.max_period}")
+        if self.fit_period:
+            if self.adapt_period:
+                raise ValueError("cpsgd: adapt_period and fit_period are two rules for k; choose one")
+            if k is None or self.correction != "spread" or self.fit_max_period < k:
+                raise ValueError("cpsgd: fit_period needs the spread correction and correction_period <= "
+                                 f"fit_max_period, got correction={self.correction!r}, correction_period={k}, "
+                                 f"fit_max_period={self.fit_max_period}")
         if self.local_update not in LOCAL_UPDATES:
             raise ValueError(f"cpsgd: local_update must be one of {LOCAL_UPDATES}, got {self.local_update!r}")
         if self.local_lr is not None and not (isinstance(self.local_lr, (int, float)) and self.local_lr >= 0):
@@ -219,6 +278,12 @@ class BoundCPSGD(BoundAlgorithm):
                              "with start(..., exact=, flush_exact=)")
         self.warmup = Warmup(self.cfg.warmup_steps)
         self.controller = PeriodController(self.cfg.min_period, self.cfg.max_period)
+        self.fit = (LinkFitController(self.cfg.correction_period, self.cfg.fit_max_period)
+                    if self.cfg.fit_period else None)
+        self._fit_times: dict[str, list[float]] = {"busy": [], "compute": []}   # this rank, this cycle
+        self._fit_agreed: Optional[torch.Tensor] = None   # the ranks' means, for the next boundary
+        self._last_exit: Optional[float] = None           # when the last pipelined step() returned
+        self._waited_s = 0.0                               # this step's wait for the in-flight average
         self.tentative = TentativeStep(ctx.optimizer, ctx.params)
         # the global step and the look-ahead local update in one native pass, where possible
         self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.cfg.local_update != "optimizer"
@@ -352,11 +417,28 @@ class BoundCPSGD(BoundAlgorithm):
             self.in_flight = flight
             if self.phase(t) is not None and (self.cfg.correction == "spread" or self.is_burst(t)):
                 self.corrections += 1
+            if self.fit is not None:
+                self._time_for_fit(t)
         self._launching = None
         self._last_phase, self._last_period = self.phase(t), self.period
         self.t += 1
         self._advance_cycle()
         self.buckets.reset()
+
+    def _time_for_fit(self, t: int) -> None:
+        """Record this step's compute time (the interval since the last pipelined step()
+        returned, less the exposed wait) and, three steps before a cycle ends, queue this
+        rank's medians to ride on the next step's side channel, so the agreed means arrive
+        (one step later) in time for the cycle's boundary (k < 3: the boundary after). Every
+        rank sends at the same steps; NaN where it measured nothing, which the rule skips."""
+        now = time.perf_counter()
+        if self._last_exit is not None:
+            self._fit_times["compute"].append(now - self._last_exit - self._waited_s)
+        self._last_exit, self._waited_s = now, 0.0
+        if self.phase(t) == max(self.period - 3, 0):
+            medians = [statistics.median(v) if v else math.nan for v in self._fit_times.values()]
+            self._measure = torch.tensor(medians, dtype=torch.float32, device=self.ctx.params[0].device)
+            self._fit_times = {"busy": [], "compute": []}
 
     def _advance_cycle(self) -> None:
         """At a cycle boundary (the next step starts a new cycle), the adaptive rule may
@@ -368,6 +450,9 @@ class BoundCPSGD(BoundAlgorithm):
         if self.cfg.adapt_period:   # the rule decides on the host: one read-back per cycle
             self.period = self.controller.decide(self.period, *self._stats.tolist(), world=self.ctx.world_size)
             self._stats = self._stats_tensor([0.0, 0.0, 0.0, 0.0])
+        elif self.fit is not None and self._fit_agreed is not None:
+            self.period = self.fit.decide(self.period, *self._fit_agreed.tolist())
+            self._fit_agreed = None
 
     def _step_global(self, grads: list[Optional[torch.Tensor]]) -> None:
         """W <- optimizer(W, grads): the parameters hold W's storage during the step."""
@@ -381,11 +466,20 @@ class BoundCPSGD(BoundAlgorithm):
 
     def _global_gradients(self, flight: "_InFlight") -> list[Optional[torch.Tensor]]:
         """The step's averaged gradients (waited for), with the adaptive rule's bookkeeping."""
+        started = time.perf_counter()
         grads = flight.result()
+        if self.fit is not None:
+            self._waited_s = time.perf_counter() - started
+            busy = flight.busy_s()
+            if busy is not None:
+                self._fit_times["busy"].append(busy)
         if self.cfg.adapt_period and self._prev_local is not None:
             self._measure = _measurement(flight, grads, self._prev_local, self.ctx.params)
-        if flight.measure is not None:                  # agreed (averaged) sums
-            self._stats += flight.measure
+        if flight.measure is not None:                  # agreed (averaged) values
+            if self.fit is not None:
+                self._fit_agreed = flight.measure
+            else:
+                self._stats += flight.measure
         return grads
 
     def _apply_to_global(self, flight: "_InFlight") -> None:
@@ -412,6 +506,7 @@ class BoundCPSGD(BoundAlgorithm):
         if self.pipelining:
             torch._foreach_copy_(self.w, self.W)
             self.pipelining = False
+        self._last_exit = None
 
     def global_parameters(self) -> Optional[list[torch.Tensor]]:
         """While pipelining: W with the in-flight average applied by a tentative optimizer
@@ -453,6 +548,9 @@ class BoundCPSGD(BoundAlgorithm):
             state["measure"] = self._measure.clone()
         if self._prev_local is not None:
             state["prev_local"] = {n: g.clone() for n, g in zip(names, self._prev_local) if g is not None}
+        if self.fit is not None:
+            state["fit"] = {"agreed": None if self._fit_agreed is None else self._fit_agreed.tolist(),
+                            "times": {k: list(v) for k, v in self._fit_times.items()}}
         state["collective"] = self.reducer.state_dict()    # after the wait: residuals settled
         return state
 
@@ -479,6 +577,11 @@ class BoundCPSGD(BoundAlgorithm):
         self._measure = to_device(state.get("measure"), device)
         prev = to_device(state.get("prev_local"), device)
         self._prev_local = None if prev is None else [prev.get(n) for n in names]
+        fit = state.get("fit") or {}
+        agreed = fit.get("agreed")
+        self._fit_agreed = None if agreed is None else torch.tensor(agreed, dtype=torch.float32, device=device)
+        self._fit_times = {k: [float(x) for x in fit.get("times", {}).get(k, [])] for k in ("busy", "compute")}
+        self._last_exit, self._waited_s = None, 0.0
         self.reducer.load_state_dict(state["collective"])
 
     def close(self) -> None:
@@ -530,6 +633,15 @@ class _InFlight:
             self._n_measure = measure.numel()
         if parts:
             self.side = self.algo.reducer.start_full_precision(torch.cat(parts), "cpsgd-side")
+
+    def busy_s(self) -> Optional[float]:
+        """The pipeline thread's time running this step's jobs (codec and network; None for a
+        step restored from a checkpoint, or handles that do not time their job)."""
+        spans = [getattr(h, "span", None) for h in self.handles + ([self.side] if self.side is not None else [])]
+        spans = [s for s in spans if s is not None]
+        if not spans:
+            return None
+        return sum(end - start for start, end in spans)
 
     def nonfinite_first(self) -> list[int]:
         """Per rank, its first parameter marked non-finite in the buckets' flag bytes (-1:
