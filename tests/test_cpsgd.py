@@ -398,12 +398,13 @@ def test_link_fit_rule_grows_shrinks_and_holds_inside_its_band():
 
 def _run_fit(rank: int, world: int, options: dict, busy_until: int, steps: int):
     """cpsgd with ``fit_period``, the pipeline's measured time per step replaced by a rank-
-    dependent figure (10 s and 30 s: far beyond any compute step) until step ``busy_until``,
-    then 0: every rank must still choose the same k, from the agreed mean. Returns the final
+    dependent figure until step ``busy_until`` (rank 0: 0 s, which alone would keep k; rank 1:
+    60 s, far beyond any compute step), then 0: every rank must still choose the same k, from
+    the agreed mean (30 s: grow). Returns the final
     weights, each step's k, and the fit state a fresh engine reads back from a checkpoint."""
     from lowband.algorithms import cpsgd
     real = cpsgd._InFlight.busy_s
-    cpsgd._InFlight.busy_s = lambda self: (10.0 + 20.0 * rank) if self.algo.t < busy_until else 0.0
+    cpsgd._InFlight.busy_s = lambda self: 60.0 * rank if self.algo.t < busy_until else 0.0
     try:
         torch.manual_seed(0)
         model = SmallNet()

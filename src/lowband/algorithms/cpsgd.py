@@ -283,7 +283,7 @@ class BoundCPSGD(BoundAlgorithm):
         self._fit_times: dict[str, list[float]] = {"busy": [], "compute": []}   # this rank, this cycle
         self._fit_agreed: Optional[torch.Tensor] = None   # the ranks' means, for the next boundary
         self._last_exit: Optional[float] = None           # when the last pipelined step() returned
-        self._waited_s = 0.0                               # this step's wait for the in-flight average
+        self._waited_at_exit = 0.0                         # the exposed wait counted by then
         self.tentative = TentativeStep(ctx.optimizer, ctx.params)
         # the global step and the look-ahead local update in one native pass, where possible
         self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.cfg.local_update != "optimizer"
@@ -427,14 +427,15 @@ class BoundCPSGD(BoundAlgorithm):
 
     def _time_for_fit(self, t: int) -> None:
         """Record this step's compute time (the interval since the last pipelined step()
-        returned, less the exposed wait) and, three steps before a cycle ends, queue this
-        rank's medians to ride on the next step's side channel, so the agreed means arrive
+        returned, less the exposed wait charged meanwhile: the guard's and the handles') and,
+        three steps before a cycle ends, queue this rank's medians to ride on the next step's side channel, so the agreed means arrive
         (one step later) in time for the cycle's boundary (k < 3: the boundary after). Every
         rank sends at the same steps; NaN where it measured nothing, which the rule skips."""
         now = time.perf_counter()
+        waited = self.ctx.comm.stats.comm_wait_s     # every exposed wait: the guard's, the handles'
         if self._last_exit is not None:
-            self._fit_times["compute"].append(now - self._last_exit - self._waited_s)
-        self._last_exit, self._waited_s = now, 0.0
+            self._fit_times["compute"].append(now - self._last_exit - (waited - self._waited_at_exit))
+        self._last_exit, self._waited_at_exit = now, waited
         if self.phase(t) == max(self.period - 3, 0):
             medians = [statistics.median(v) if v else math.nan for v in self._fit_times.values()]
             self._measure = torch.tensor(medians, dtype=torch.float32, device=self.ctx.params[0].device)
@@ -466,10 +467,8 @@ class BoundCPSGD(BoundAlgorithm):
 
     def _global_gradients(self, flight: "_InFlight") -> list[Optional[torch.Tensor]]:
         """The step's averaged gradients (waited for), with the adaptive rule's bookkeeping."""
-        started = time.perf_counter()
         grads = flight.result()
         if self.fit is not None:
-            self._waited_s = time.perf_counter() - started
             busy = flight.busy_s()
             if busy is not None:
                 self._fit_times["busy"].append(busy)
@@ -581,7 +580,7 @@ class BoundCPSGD(BoundAlgorithm):
         agreed = fit.get("agreed")
         self._fit_agreed = None if agreed is None else torch.tensor(agreed, dtype=torch.float32, device=device)
         self._fit_times = {k: [float(x) for x in fit.get("times", {}).get(k, [])] for k in ("busy", "compute")}
-        self._last_exit, self._waited_s = None, 0.0
+        self._last_exit = None
         self.reducer.load_state_dict(state["collective"])
 
     def close(self) -> None:
