@@ -131,11 +131,16 @@ class LinkFitController:
         if not (math.isfinite(busy) and math.isfinite(compute)) or compute <= 0:
             return k
         if busy > self.high * compute:
-            grown = math.ceil(k * min(2.0, busy / (self.target * compute)))
-            return max(self.base, min(self.max_period, grown))
-        if busy < self.low * compute:
-            return max(self.base, min(self.max_period, (3 * k) // 4))
+            k = math.ceil(k * min(2.0, busy / (self.target * compute)))
+        elif busy < self.low * compute:
+            k = (3 * k) // 4
         return max(self.base, min(self.max_period, k))
+
+
+def _fit_window(saved: Optional[dict] = None) -> dict[str, list[float]]:
+    """The link-fitting rule's samples of one window (``saved``: as a checkpoint holds them)."""
+    saved = saved or {}
+    return {key: [float(x) for x in saved.get(key, [])] for key in ("busy", "compute")}
 
 
 @dataclass
@@ -280,7 +285,7 @@ class BoundCPSGD(BoundAlgorithm):
         self.controller = PeriodController(self.cfg.min_period, self.cfg.max_period)
         self.fit = (LinkFitController(self.cfg.correction_period, self.cfg.fit_max_period)
                     if self.cfg.fit_period else None)
-        self._fit_times: dict[str, list[float]] = {"busy": [], "compute": []}   # this rank, this cycle
+        self._fit_times = _fit_window()                    # this rank's samples since the last send
         self._fit_agreed: Optional[torch.Tensor] = None   # the ranks' means, for the next boundary
         self._last_exit: Optional[float] = None           # when the last pipelined step() returned
         self._waited_at_exit = 0.0                         # the exposed wait counted by then
@@ -428,9 +433,10 @@ class BoundCPSGD(BoundAlgorithm):
     def _time_for_fit(self, t: int) -> None:
         """Record this step's compute time (the interval since the last pipelined step()
         returned, less the exposed wait charged meanwhile: the guard's and the handles') and,
-        three steps before a cycle ends, queue this rank's medians to ride on the next step's side channel, so the agreed means arrive
-        (one step later) in time for the cycle's boundary (k < 3: the boundary after). Every
-        rank sends at the same steps; NaN where it measured nothing, which the rule skips."""
+        three steps before a cycle ends, queue this rank's medians to ride on the next step's
+        side channel, so the agreed means arrive (one step later) in time for the cycle's
+        boundary (k < 3: the boundary after). Every rank sends at the same steps; NaN where it
+        measured nothing, which the rule skips."""
         now = time.perf_counter()
         waited = self.ctx.comm.stats.comm_wait_s     # every exposed wait: the guard's, the handles'
         if self._last_exit is not None:
@@ -439,7 +445,7 @@ class BoundCPSGD(BoundAlgorithm):
         if self.phase(t) == max(self.period - 3, 0):
             medians = [statistics.median(v) if v else math.nan for v in self._fit_times.values()]
             self._measure = torch.tensor(medians, dtype=torch.float32, device=self.ctx.params[0].device)
-            self._fit_times = {"busy": [], "compute": []}
+            self._fit_times = _fit_window()
 
     def _advance_cycle(self) -> None:
         """At a cycle boundary (the next step starts a new cycle), the adaptive rule may
@@ -579,7 +585,7 @@ class BoundCPSGD(BoundAlgorithm):
         fit = state.get("fit") or {}
         agreed = fit.get("agreed")
         self._fit_agreed = None if agreed is None else torch.tensor(agreed, dtype=torch.float32, device=device)
-        self._fit_times = {k: [float(x) for x in fit.get("times", {}).get(k, [])] for k in ("busy", "compute")}
+        self._fit_times = _fit_window(fit.get("times", {}))
         self._last_exit = None
         self.reducer.load_state_dict(state["collective"])
 
