@@ -245,3 +245,49 @@ def _forgetful_run(rank: int, world: int) -> str:
 def test_a_carried_check_that_is_never_reported_is_an_error_not_a_silent_pass():
     for message in run_distributed(_forgetful_run, 2):
         assert "never called ctx.decide_finiteness" in message, message
+
+
+def _local_nan_run(rank: int, world: int, bad_step: int, steps: int = 8):
+    """localsgd (warm-up 2, an average after steps 3, 5 and 7) with rank BAD_RANK's
+    gradient NaN at ``bad_step``: local steps defer the finiteness decision to the next
+    ``engine.step()`` (no per-step barrier), steps that average or all-reduce decide at once;
+    either way every rank stops naming that step before the NaN reaches another rank."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = lowband.distribute(model, opt, "localsgd", warmup_steps=2, period=2)
+    bad = dict(model.named_parameters())["3.bias"]
+    it = ShardedBatches(make_synthetic(512, seed=1), BATCH, rank, world, seed=3).epoch(0)
+    deferred = []
+    try:
+        for step in range(1, steps + 1):
+            x, y = next(it)
+            opt.zero_grad()
+            loss = F.cross_entropy(engine.module(x), y)
+            if step == bad_step and rank == BAD_RANK:
+                loss = loss + float("nan") * bad.sum()
+            loss.backward()
+            engine.step()
+            deferred.append(engine.guard.pending)
+        engine.synchronize()
+    except lowband.NonFiniteGradientError as e:
+        return {"step": e.step, "bad": e.bad, "raised_at": len(deferred) + 1, "deferred": deferred,
+                "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+    return {"no error": True, "deferred": deferred}
+
+
+def _local_nan_runs(rank: int, world: int) -> dict:
+    return {"local": _local_nan_run(rank, world, bad_step=4), "averaging": _local_nan_run(rank, world, bad_step=3),
+            "last": _local_nan_run(rank, world, bad_step=8), "clean": _local_nan_run(rank, world, bad_step=0)}
+
+
+def test_local_sgd_defers_the_check_on_local_steps_only():
+    for rank, n in enumerate(run_distributed(_local_nan_runs, 2)):
+        # steps 1-2 warm-up, 3, 5, 7 end with an average: only 4, 6, 8 are local
+        assert n["clean"] == {"no error": True,
+                              "deferred": [False, False, False, True, False, True, False, True]}
+        local, averaging, last = n["local"], n["averaging"], n["last"]
+        assert local["step"] == 4 and local["bad"] == {BAD_RANK: "3.bias"} and local["raised_at"] == 5
+        # the step-5 average never ran: only the bad rank's own replica took the NaN step
+        assert local["finite"] == (rank != BAD_RANK)
+        assert averaging["step"] == 3 and averaging["raised_at"] == 3 and averaging["finite"]   # decided at once
+        assert last["step"] == 8 and last["raised_at"] == 9                 # the last step: at synchronize()

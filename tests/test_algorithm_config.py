@@ -70,3 +70,37 @@ def test_configuration_holds_only_its_knobs(name):
         pytest.skip("torchft is not installed")
     cfg = lowband.make_algorithm(name, **OPTIONS.get(name, {}))
     assert set(vars(cfg)) == {f.name for f in dataclasses.fields(cfg)}
+
+
+def _warmup_flags(rank: int, world: int):
+    """Per warm-up algorithm, the ``warmup`` flag each of its first 6 steps logged."""
+    out = {}
+    for name, options in [("compressed", {"warmup_steps": 2}), ("cpsgd", {"warmup_steps": 2}),
+                          ("localsgd", {"warmup_steps": 3, "period": 2}),
+                          ("ddp-powersgd", {"start_powerSGD_iter": 2})]:
+        torch.manual_seed(0)
+        model = SmallNet()
+        opt = make_optimizer("sgd", model)
+        engine = lowband.distribute(model, opt, name, **options)
+        flags: list = []
+
+        def step(engine=engine, flags=flags):
+            engine.step()
+            flags.append(engine.bound.step_metrics())
+        train(model, opt, batches(rank, world), step, 6, forward=engine.module)
+        engine.synchronize()
+        engine.close()
+        out[name] = flags
+    return out
+
+
+def test_every_warm_up_algorithm_logs_which_steps_were_warm_up():
+    """steps.jsonl must tell the warm-up (fp32 / synchronous) steps from the rest for every
+    algorithm that has one, so that a reader can leave them out of a step-time median."""
+    for flags in run_distributed(_warmup_flags, 2, timeout_s=180):
+        assert [m["warmup"] for m in flags["compressed"]] == [True, True, False, False, False, False]
+        assert [m["warmup"] for m in flags["cpsgd"]] == [True, True, False, False, False, False]
+        assert [m["warmup"] for m in flags["localsgd"]] == [True, True, True, False, False, False]
+        assert [m["warmup"] for m in flags["ddp-powersgd"]] == [True, True, False, False, False, False]
+        # averages at steps 3 and 5 (period 2 from the end of the warm-up)
+        assert [m["averaged"] for m in flags["localsgd"]] == [False, False, False, True, False, True]

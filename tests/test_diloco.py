@@ -154,3 +154,52 @@ def test_split_fragments_contiguous_nonempty_balanced():
 def test_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         lowband.algorithms.make_algorithm("diloco", **options)
+
+
+def _nan_run(rank, world, algorithm, options, bad_step):
+    """Rank 1's gradient NaN at ``bad_step``: every rank stops naming that step before the NaN
+    reaches the global weights; inner steps decide it one step late (no per-step barrier)."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, algorithm, **options)
+    it = batches(rank, world).epoch(0)
+    deferred = []
+    try:
+        for step in range(1, STEPS + 1):
+            x, y = next(it)
+            opt.zero_grad()
+            loss = F.cross_entropy(engine.module(x), y)
+            if step == bad_step and rank == 1:
+                loss = loss + float("nan") * next(model.parameters()).sum()
+            loss.backward()
+            engine.step()
+            deferred.append(engine.guard.pending)
+        engine.synchronize()
+        result = {"no error": True, "deferred": deferred}
+    except lowband.NonFiniteGradientError as e:
+        result = {"step": e.step, "raised_at": len(deferred) + 1, "deferred": deferred,
+                  "global_finite": all(bool(torch.isfinite(g).all()) for g in engine.bound.global_parameters())}
+    engine.close()
+    return result
+
+
+def _nan_runs(rank, world):
+    plain = {"sync_every": H, "timeout_s": 30.0}
+    return {"clean": _nan_run(rank, world, "diloco", plain, 0),
+            "inner": _nan_run(rank, world, "diloco", plain, 2),
+            "sync": _nan_run(rank, world, "diloco", plain, H),
+            "streaming clean": _nan_run(rank, world, "streaming-diloco", STREAMING, 0),
+            "streaming prepare": _nan_run(rank, world, "streaming-diloco", STREAMING, 1)}
+
+
+def test_inner_steps_defer_the_finiteness_check_and_syncs_decide_at_once():
+    for n in run_distributed(_nan_runs, 2, timeout_s=300):
+        # diloco: steps H and 2H sync; streaming (2 fragments, delay 1): every 2 steps a
+        # fragment syncs, prepared one step before: every step communicates
+        assert n["clean"] == {"no error": True, "deferred": [True, True, True, False] * 2}
+        assert n["streaming clean"] == {"no error": True, "deferred": [False] * STEPS}
+        inner, sync, prepare = n["inner"], n["sync"], n["streaming prepare"]
+        assert inner["step"] == 2 and inner["raised_at"] == 3 and inner["global_finite"]
+        assert sync["step"] == H and sync["raised_at"] == H and sync["global_finite"]
+        assert prepare["step"] == 1 and prepare["raised_at"] == 1 and prepare["global_finite"]

@@ -42,3 +42,20 @@ def test_bench_repeats_report_the_run_with_the_median_step_time():
     assert merged["ssgd"]["median_step_ms"] == 50.0 and merged["ssgd"]["repeat"] == 2
     two = median_runs(rows[:4])          # even count: the lower middle run
     assert {m["algorithm"]: m["median_step_ms"] for m in two} == {"noop": 30.0, "ssgd": 45.0}
+
+
+def test_bench_medians_leave_out_the_algorithms_logged_warm_up():
+    """An fp32 warm-up of 100 slow steps must not pull a 200-step run's median toward it."""
+    from lowband.bench import WARMUP_STEPS, RunResult, steady_start
+    warm = [{"step_s": 0.100, "warmup": True} for _ in range(100)]
+    steady = [{"step_s": 0.030 + 0.001 * (k % 3), "warmup": False} for k in range(100)]
+    run = RunResult(config=None, summary={}, steps=warm + steady)
+    assert steady_start(run.steps) == 100
+    assert run.median("step_s") == 0.031
+    # without logged warm-up (ssgd, noop): only the first WARMUP_STEPS are left out
+    plain = [{"step_s": 1.0}] * WARMUP_STEPS + [{"step_s": 0.02}] * 10
+    assert steady_start(plain) == WARMUP_STEPS and RunResult(None, {}, plain).median("step_s") == 0.02
+    # a run that never left its warm-up still reports its steps
+    assert RunResult(None, {}, warm[:10]).median("step_s") == 0.100
+    # an explicit skip is honoured: over all 200 steps the median sits between the two phases
+    assert abs(run.median("step_s", skip=0) - (0.032 + 0.100) / 2) < 1e-12

@@ -1,8 +1,10 @@
 """Run training configurations side by side and reduce their metrics to comparable numbers.
 
 Used by ``lowband bench`` and the scripts in ``benchmarks/``. Each configuration runs as a
-real multi-process ``lowband train`` job; step times are medians over the steps after a short
-warm-up (the first steps include allocation and connection set-up).
+real multi-process ``lowband train`` job; step times are medians over the steady steps: after the
+first few (allocation and connection set-up) and after the algorithm's own warm-up (the fp32 steps
+of ``compressed`` and ``cpsgd``, the synchronous ones of ``localsgd``, PowerSGD's
+``start_powerSGD_iter``: the steps that log ``warmup: true`` in steps.jsonl).
 """
 from __future__ import annotations
 
@@ -19,13 +21,23 @@ from .metrics import read_jsonl
 WARMUP_STEPS = 5     # steps excluded from the medians
 
 
+def steady_start(steps: Sequence[dict[str, Any]]) -> int:
+    """Index of the first step the medians count: past the first ``WARMUP_STEPS`` steps and
+    past the last step that logged the algorithm's own ``warmup``."""
+    flagged = [k for k, s in enumerate(steps) if s.get("warmup")]
+    return max(WARMUP_STEPS, flagged[-1] + 1 if flagged else 0)
+
+
 @dataclass
 class RunResult:
     config: TrainConfig
     summary: dict[str, Any]
     steps: list[dict[str, Any]]
 
-    def median(self, key: str, skip: int = WARMUP_STEPS) -> float:
+    def median(self, key: str, skip: Optional[int] = None) -> float:
+        """Median of ``key`` over the steady steps (:func:`steady_start`; all steps when the
+        run has none past it)."""
+        skip = steady_start(self.steps) if skip is None else skip
         values = [s[key] for s in self.steps[skip:]] or [s[key] for s in self.steps]
         return statistics.median(values)
 

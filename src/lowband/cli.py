@@ -218,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run algorithms side by side over emulated links",
                        description="Run every combination of algorithm, link rate and worker count with the same "
-                                   "seed and data; write results.json and plots to --out and print a markdown table.")
+                                   "seed and data; write results.json and plots to --out and print a markdown table. "
+                                   "Step times are medians over the steady steps: after the first 5 and after the "
+                                   "algorithm's own warm-up (the steps it logs as warmup); 'mean step ms' and the "
+                                   "time to target cover the whole run.")
     b.add_argument("--algorithms", default="noop,ssgd",
                    help="comma-separated algorithm names, each optionally with its own options as "
                         "NAME:KEY=VALUE[:KEY=VALUE] (default: %(default)s)")

@@ -23,12 +23,12 @@ parameter index (one int64 per rank, in one tiny MAX all-reduce) and take the sa
   diverged; skipping on would end with exit 0 and a meaningless model).
 * ``"off"``: no check, no extra collective.
 
-Under ``"raise"``, an algorithm whose step reaches the global model only at the next
-``step()`` (CP-SGD's pipeline after its warm-up, ``noop``'s unshared replicas; see
-``Algorithm.gradients_applied_late``) gets a deferred decision: the exchange starts at
-``engine.step()`` and is finished at the next one (or at ``synchronize``, ``state_dict``,
-``global_model``, ``check_replicas``), still before that step's average touches the global
-weights. Waiting at once would queue the exchange behind the step's gradient bytes on a slow
+Under ``"raise"``, an algorithm whose step reaches the global model only at a later
+``step()`` (CP-SGD's pipeline after its warm-up, ``noop``'s unshared replicas, the local steps
+of ``localsgd`` and DiLoCo between their syncs; see ``Algorithm.gradients_applied_late``) gets
+a deferred decision: the exchange starts at ``engine.step()`` and is finished at the next one
+(or at ``synchronize``, ``state_dict``, ``global_model``, ``check_replicas``), still before
+that step's average touches the global weights. Waiting at once would queue the exchange behind the step's gradient bytes on a slow
 link and make the pipeline synchronous again (measured: docs/reliability.md). The time spent
 waiting for an exchange is exposed communication and counted as such in ``comm_wait_s``.
 

@@ -120,10 +120,11 @@ class BoundAlgorithm(ABC):
         return []
 
     def gradients_applied_late(self) -> bool:
-        """True if the coming ``step()`` applies this iteration's gradients to the global
-        model only at the next ``step()`` (a depth-1 pipeline), so the engine's finiteness
-        check may be decided then, overlapping with the next iteration (:mod:`lowband.guard`).
-        Asked once per iteration, before ``step()``."""
+        """True if the coming ``step()`` lets this iteration's gradients reach the global
+        model (or any other rank) only at a later ``step()`` (a depth-1 pipeline; a local step
+        between averages), so the engine's finiteness check may be decided at the start of
+        the next one, overlapping with the next iteration and with no per-step barrier
+        (:mod:`lowband.guard`). Asked once per iteration, before ``step()``."""
         return False
 
     def carries_finiteness(self) -> bool:

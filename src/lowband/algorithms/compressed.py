@@ -143,6 +143,10 @@ class BoundCompressedSGD(BoundAlgorithm):
         self.buckets.reset()
         self.steps_done += 1
 
+    def step_metrics(self) -> dict[str, Any]:
+        """``warmup``: whether the step just taken averaged in fp32 (as CP-SGD's)."""
+        return {"warmup": self.warmup.active(self.steps_done - 1)}
+
     def state_dict(self) -> dict[str, Any]:
         return {"collective": self.reducer.state_dict(), "steps_done": self.steps_done}
 

@@ -330,6 +330,11 @@ class BoundDDPPowerSGD(BoundDDP):
                 q_off += m * r
         return error, p_slices, q_slices
 
+    def step_metrics(self) -> dict[str, Any]:
+        """``warmup``: whether the hook all-reduced the step just taken uncompressed
+        (``start_powerSGD_iter``; the hook has counted the step by now)."""
+        return {"warmup": self.warmup.active(self.state.iter - 1)}
+
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """PowerSGD's memories as tensors and plain numbers only, so that
