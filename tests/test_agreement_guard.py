@@ -14,6 +14,7 @@ from lowband.agreement import describe_difference
 from lowband.data import ShardedBatches, make_synthetic
 
 from .distributed import run_distributed
+from .training import poisoned_steps
 
 #: a mismatch must be reported well before any collective timeout (run_distributed uses 90 s)
 MISMATCH_DEADLINE_S = 10.0
@@ -177,17 +178,12 @@ def _pipelined_nan_run(rank: int, world: int, bad_step: int, steps: int, collect
     bad = dict(model.named_parameters())[bad_param]
     it = ShardedBatches(make_synthetic(512, seed=1), BATCH, rank, world, seed=3).epoch(0)
     deferred, guard_calls = [], []
+
+    def after():
+        deferred.append(engine.guard.pending)
+        guard_calls.append(engine.guard.comm.stats.calls)
     try:
-        for step in range(1, steps + 1):
-            x, y = next(it)
-            opt.zero_grad()
-            loss = F.cross_entropy(engine.module(x), y)
-            if step == bad_step and rank == BAD_RANK:
-                loss = loss + float("nan") * bad.sum()
-            loss.backward()
-            engine.step()
-            deferred.append(engine.guard.pending)
-            guard_calls.append(engine.guard.comm.stats.calls)
+        poisoned_steps(engine, opt, it, steps, bad_step if rank == BAD_RANK else 0, lambda: float("nan") * bad.sum(), after)
         engine.synchronize()
     except lowband.NonFiniteGradientError as e:
         W = engine.bound.W
@@ -259,15 +255,8 @@ def _local_nan_run(rank: int, world: int, bad_step: int, steps: int = 8):
     it = ShardedBatches(make_synthetic(512, seed=1), BATCH, rank, world, seed=3).epoch(0)
     deferred = []
     try:
-        for step in range(1, steps + 1):
-            x, y = next(it)
-            opt.zero_grad()
-            loss = F.cross_entropy(engine.module(x), y)
-            if step == bad_step and rank == BAD_RANK:
-                loss = loss + float("nan") * bad.sum()
-            loss.backward()
-            engine.step()
-            deferred.append(engine.guard.pending)
+        poisoned_steps(engine, opt, it, steps, bad_step if rank == BAD_RANK else 0, lambda: float("nan") * bad.sum(),
+                       lambda: deferred.append(engine.guard.pending))
         engine.synchronize()
     except lowband.NonFiniteGradientError as e:
         return {"step": e.step, "bad": e.bad, "raised_at": len(deferred) + 1, "deferred": deferred,

@@ -14,7 +14,7 @@ from lowband.algorithms.diloco import CommitFailed, split_fragments, torchft_una
 from lowband.collectives.wire import allreduce_bytes
 
 from .distributed import run_distributed
-from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of
+from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of, poisoned_steps
 
 pytestmark = pytest.mark.skipif(torchft_unavailable() is not None, reason=str(torchft_unavailable()))
 
@@ -163,18 +163,10 @@ def _nan_run(rank, world, algorithm, options, bad_step):
     model = SmallNet()
     opt = make_optimizer("sgd", model)
     engine = lowband.distribute(model, opt, algorithm, **options)
-    it = batches(rank, world).epoch(0)
     deferred = []
     try:
-        for step in range(1, STEPS + 1):
-            x, y = next(it)
-            opt.zero_grad()
-            loss = F.cross_entropy(engine.module(x), y)
-            if step == bad_step and rank == 1:
-                loss = loss + float("nan") * next(model.parameters()).sum()
-            loss.backward()
-            engine.step()
-            deferred.append(engine.guard.pending)
+        poisoned_steps(engine, opt, batches(rank, world).epoch(0), STEPS, bad_step if rank == 1 else 0,
+                       lambda: float("nan") * next(model.parameters()).sum(), lambda: deferred.append(engine.guard.pending))
         engine.synchronize()
         result = {"no error": True, "deferred": deferred}
     except lowband.NonFiniteGradientError as e:

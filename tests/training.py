@@ -81,6 +81,23 @@ def train(model: nn.Module, optimizer, batches: ShardedBatches, step_fn: Callabl
     return params_of(model)
 
 
+def poisoned_steps(engine: "lowband.Engine", optimizer, it, steps: int, bad_step: int,
+                   poison: Callable[[], torch.Tensor], after: Callable[[], None] = lambda: None) -> None:
+    """``steps`` iterations (1-based) of cross-entropy training through ``engine``, batches from
+    ``it``; at ``bad_step`` (0: never; a rank passes it only where it poisons) the loss gets
+    ``poison()`` added, e.g. ``nan * p.sum()`` for a NaN in one parameter's gradient;
+    ``after()`` runs after every ``engine.step()``. A NonFiniteGradientError propagates."""
+    for step in range(1, steps + 1):
+        x, y = next(it)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(engine.module(x), y)
+        if step == bad_step:
+            loss = loss + poison()
+        loss.backward()
+        engine.step()
+        after()
+
+
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
