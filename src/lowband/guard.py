@@ -28,9 +28,10 @@ Under ``"raise"``, an algorithm whose step reaches the global model only at a la
 of ``localsgd`` and DiLoCo between their syncs; see ``Algorithm.gradients_applied_late``) gets
 a deferred decision: the exchange starts at ``engine.step()`` and is finished at the next one
 (or at ``synchronize``, ``state_dict``, ``global_model``, ``check_replicas``), still before
-that step's average touches the global weights. Waiting at once would queue the exchange behind the step's gradient bytes on a slow
-link and make the pipeline synchronous again (measured: docs/reliability.md). The time spent
-waiting for an exchange is exposed communication and counted as such in ``comm_wait_s``.
+that step's average touches the global weights. Waiting at once would queue the exchange
+behind the step's gradient bytes on a slow link and make the pipeline synchronous again, and
+put a barrier on every local step (measured: docs/reliability.md). The time spent waiting for
+an exchange is exposed communication and counted as such in ``comm_wait_s``.
 
 An algorithm whose messages already reach every rank from every rank can carry the check
 itself (``BoundAlgorithm.carries_finiteness``: CP-SGD's pipelined buckets mark each
