@@ -104,3 +104,31 @@ def test_every_warm_up_algorithm_logs_which_steps_were_warm_up():
         assert [m["warmup"] for m in flags["ddp-powersgd"]] == [True, True, False, False, False, False]
         # averages at steps 3 and 5 (period 2 from the end of the warm-up)
         assert [m["averaged"] for m in flags["localsgd"]] == [False, False, False, True, False, True]
+
+
+def _with_and_without_guard(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        runs = []
+        for policy in ("raise", "off"):
+            torch.manual_seed(0)
+            model = SmallNet()
+            opt = make_optimizer("sgd", model)
+            engine = lowband.distribute(model, opt, lowband.make_algorithm(name, **OPTIONS.get(name, {})),
+                                        nonfinite=policy)
+            train(model, opt, batches(rank, world), engine.step, STEPS, forward=engine.module)
+            engine.synchronize()
+            runs.append(params_of(model))
+            engine.close()
+        out[name] = all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    return out
+
+
+def test_the_finiteness_check_never_changes_the_trajectory():
+    """Whether the guard decides at once, one step late (pipelines, local steps) or from the
+    algorithm's own messages, a finite run with the check equals the same run without it,
+    bit for bit, for every algorithm (past warm-ups, local steps and syncs: SHORT_SCHEDULES)."""
+    names = _names()
+    for result in run_distributed(_with_and_without_guard, 2, names, timeout_s=300):
+        assert set(result) == set(names)
+        assert all(result.values()), {n: same for n, same in result.items() if not same}
