@@ -59,3 +59,29 @@ def test_bench_medians_leave_out_the_algorithms_logged_warm_up():
     assert RunResult(None, {}, warm[:10]).median("step_s") == 0.100
     # an explicit skip is honoured: over all 200 steps the median sits between the two phases
     assert abs(run.median("step_s", skip=0) - (0.032 + 0.100) / 2) < 1e-12
+
+
+def test_bench_says_when_a_run_never_left_its_warm_up(tmp_path, monkeypatch, capsys):
+    """A bench shorter than the algorithm's warm-up reports the warm-up's step times: the row
+    says how many steps the medians counted, and the command prints one line about it."""
+    from lowband import cli
+    from lowband.bench import RunResult
+    warm = [{"step": t, "step_s": 0.1, "compute_s": 0.05, "comm_wait_s": 0.05, "cpu_s": 0.05, "thread_cpu_s": 0.05,
+             "bytes_sent": 100, "warmup": True} for t in range(1, 21)]
+    assert RunResult(None, {}, warm).row()["steady_steps"] == 0
+    assert RunResult(None, {}, warm).row()["warmup_steps_logged"] == 20
+    plain = [{k: v for k, v in s.items() if k != "warmup"} for s in warm]
+    assert RunResult(None, {}, plain).row()["steady_steps"] == 15 and RunResult(None, {}, plain).row()["warmup_steps_logged"] == 0
+
+    def fake_run(cfg, rate):
+        import os
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        open(os.path.join(cfg.run_dir, "epochs.jsonl"), "w").close()
+        steps = warm if cfg.algorithm == "cpsgd" else plain
+        return RunResult(cfg, {"algorithm": cfg.algorithm, "workers": cfg.workers, "steps": 20}, steps).row()
+    monkeypatch.setattr("lowband.bench.run_on_link", fake_run)
+    monkeypatch.setattr("lowband.report.plot", lambda rows, out: [])
+    assert cli.main(["bench", "--algorithms", "noop,cpsgd", "--max-steps", "20", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "note: cpsgd x2 over none: all 20 steps were in the algorithm's warm-up" in err
+    assert "note: noop" not in err

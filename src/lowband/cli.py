@@ -426,6 +426,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except RunFailed as e:
             print(f"lowband: error: {e}", file=sys.stderr)
             return e.result.returncode
+        if row["warmup_steps_logged"] and not row["steady_steps"]:
+            print(f"lowband: note: {spec} x{cfg.workers} over {label}: all {row['steps']} steps were in the "
+                  "algorithm's warm-up, so its step times are the warm-up's (raise --max-steps or lower "
+                  "its warmup_steps)", file=sys.stderr)
         epochs = read_jsonl(os.path.join(cfg.run_dir, "epochs.jsonl"))
         row.update(bandwidth=label, rate_bits=rate, algorithm=spec, repeat=r + 1,
                    curve=[(e["wall_s"], e["test_accuracy"]) for e in epochs], evals=eval_points(epochs))
