@@ -17,7 +17,7 @@ from lowband.algorithms.base import BoundAlgorithm
 
 from .distributed import run_distributed
 from .training import SHORT_SCHEDULES as OPTIONS
-from .training import SmallNet, batches, make_optimizer, params_of, train
+from .training import SmallNet, batches, make_optimizer, params_of, run_algorithm, train
 
 STEPS = 8
 
@@ -111,15 +111,9 @@ def _with_and_without_guard(rank: int, world: int, names: list[str]) -> dict:
     for name in names:
         runs = []
         for policy in ("raise", "off"):
-            torch.manual_seed(0)
-            model = SmallNet()
-            opt = make_optimizer("sgd", model)
-            engine = lowband.distribute(model, opt, lowband.make_algorithm(name, **OPTIONS.get(name, {})),
-                                        nonfinite=policy)
-            train(model, opt, batches(rank, world), engine.step, STEPS, forward=engine.module)
-            engine.synchronize()
-            runs.append(params_of(model))
+            params, engine = run_algorithm(rank, world, name, {**OPTIONS.get(name, {}), "nonfinite": policy}, STEPS)
             engine.close()
+            runs.append(params)
         out[name] = all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     return out
 

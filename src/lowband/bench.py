@@ -44,16 +44,17 @@ class RunResult:
     def row(self, **extra: Any) -> dict[str, Any]:
         """One flat record: the summary plus median step/compute/wait times in ms, and how many
         steps logged the algorithm's warm-up and how many the medians counted."""
+        skip = steady_start(self.steps)
         return {
             **{k: v for k, v in self.summary.items() if not isinstance(v, dict)},
             "warmup_steps_logged": sum(1 for s in self.steps if s.get("warmup")),
-            "steady_steps": max(0, len(self.steps) - steady_start(self.steps)),
-            "median_step_ms": 1e3 * self.median("step_s"),
-            "median_compute_ms": 1e3 * self.median("compute_s"),
-            "median_comm_wait_ms": 1e3 * self.median("comm_wait_s"),
-            "median_cpu_ms": 1e3 * self.median("cpu_s"),
-            "median_thread_cpu_ms": 1e3 * self.median("thread_cpu_s"),
-            "median_bytes_sent": self.median("bytes_sent"),
+            "steady_steps": max(0, len(self.steps) - skip),
+            "median_step_ms": 1e3 * self.median("step_s", skip),
+            "median_compute_ms": 1e3 * self.median("compute_s", skip),
+            "median_comm_wait_ms": 1e3 * self.median("comm_wait_s", skip),
+            "median_cpu_ms": 1e3 * self.median("cpu_s", skip),
+            "median_thread_cpu_ms": 1e3 * self.median("thread_cpu_s", skip),
+            "median_bytes_sent": self.median("bytes_sent", skip),
             **lazy_stats(self.steps),
             **extra,
         }
