@@ -5,20 +5,27 @@
 #     make venv && bash benchmarks/gpu_check.sh   # OUT=dir also keeps everything printed in
 #                                                 # $OUT/gpu_check.txt, and the bench results
 #
-# Parts, each under its own timeout (7 min 50 s at most in all, with the CUDA probe: 30 + 25 +
-# 155 + 40 + 140 + 80 s); a failing part does not stop the others, and the script exits 1 at
-# the end if any part failed:
+# Parts, each under its own timeout; a failing part does not stop the others, and the script
+# exits 1 at the end if any part failed:
 #   versions  torch, CUDA and the GPU
-#   tests     the CUDA-marked tests (pytest -m cuda: tests/test_cuda.py), among them the
-#             pipeline's side stream ordered by events with the compute stream, and waits
-#             timed with CUDA events (lowband.streams), over gloo and NCCL
-#   codecs    codec encode+decode throughput on the GPU against torch.clone
+#   codecs    codec encode+decode throughput on the GPU against torch.clone, and the fused
+#             bucket codecs (ResNet-50's tensors, 2 chunks) on the GPU and on the CPU
+#   tests     the CUDA-marked tests (pytest -m cuda: tests/test_cuda.py and, when triton
+#             imports, tests/test_triton_codecs.py), among them the fused reducers on CUDA
+#             against the CPU's native kernels bit for bit, the pipeline's side stream ordered
+#             by events with the compute stream, and waits timed with CUDA events, over gloo
+#             and NCCL
 #   train-2   every algorithm, 2 ranks over gloo with CUDA tensors (NCCL refuses two ranks on
 #             one GPU), a few steps each (lowband bench --device cuda); compressed, cpsgd
 #             (adaptive period) and ddp-powersgd leave their warm-ups after 3 steps, so their
 #             compressed steps run, on the pipeline's side stream for the first two
 #   train-1   the same, 1 rank over NCCL
-# Without CUDA the GPU parts print "skipped: no CUDA" and count as skipped, not failed.
+# versions and codecs run first, alone (codecs is a timing); the other three run side by side
+# on a machine with 8 or more cores (GPU_CHECK_PARALLEL=0 or 1 overrides), one after the other
+# otherwise: about 2 minutes in all on a 16-core H200 machine, under 8 minutes sequentially.
+# Each part's output is printed whole when it ends (in the parts' order). Without CUDA the GPU
+# parts print "skipped: no CUDA" and count as skipped, not failed. Bench results (results.json
+# of each training part) are copied to $OUT when it is set.
 set -u
 
 # the project's venv (make venv) when there is one, else $PYTHON, else the python on PATH
@@ -29,34 +36,42 @@ else
 fi
 export PY
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-WORK=${OUT:-${TMPDIR:-/tmp}}/gpu_check
+WORK=${TMPDIR:-/tmp}/gpu_check.$$
 STEPS=${GPU_CHECK_STEPS:-10}
 export WORK STEPS
 declare -a SUMMARY=()
 FAILED=0
 
-part() {   # part NAME TIMEOUT_S NEEDS_CUDA COMMAND...
+part() {   # part NAME TIMEOUT_S NEEDS_CUDA COMMAND...: runs it, its output to $WORK/NAME.log
     local name=$1 limit=$2 needs=$3
     shift 3
-    echo
-    echo "=== $name (timeout ${limit}s) ==="
+    local log=$WORK/$name.log
+    echo "=== $name (timeout ${limit}s) ===" >"$log"
     if [ "$needs" = 1 ] && [ "$HAVE_CUDA" != 1 ]; then
-        echo "skipped: no CUDA"
-        SUMMARY+=("$name: skipped: no CUDA")
+        echo "skipped: no CUDA" >>"$log"
+        echo "$name: skipped: no CUDA" >"$WORK/$name.result"
         return
     fi
     local t0=$SECONDS rc=0
-    timeout --kill-after=10 "$limit" "$@" || rc=$?
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1 || rc=$?
     local took=$((SECONDS - t0))
     if [ "$rc" = 0 ]; then
-        SUMMARY+=("$name: ok (${took}s)")
+        echo "$name: ok (${took}s)" >"$WORK/$name.result"
     elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-        SUMMARY+=("$name: FAILED: timed out after ${limit}s")
-        FAILED=1
+        echo "$name: FAILED: timed out after ${limit}s" >"$WORK/$name.result"
     else
-        SUMMARY+=("$name: FAILED: exit status $rc (${took}s)")
-        FAILED=1
+        echo "$name: FAILED: exit status $rc (${took}s)" >"$WORK/$name.result"
     fi
+}
+
+show() {   # show NAME...: print the parts' logs and add their results to the summary
+    local name
+    for name in "$@"; do
+        echo
+        cat "$WORK/$name.log"
+        SUMMARY+=("$(cat "$WORK/$name.result")")
+        case "$(cat "$WORK/$name.result")" in *FAILED*) FAILED=1 ;; esac
+    done
 }
 
 versions() {
@@ -75,32 +90,77 @@ EOF
 }
 
 train() {   # train WORKERS: every algorithm, a few steps, on the GPU (short warm-ups: see above)
-    local workers=$1 algorithms
+    local workers=$1 algorithms spec rc failed=0
     algorithms=$("$PY" -c "
 from lowband.algorithms import ALGORITHMS
 short = {'compressed': ':warmup_steps=3', 'cpsgd': ':warmup_steps=3:correction_period=3:adapt_period=true',
          'ddp-powersgd': ':start_powerSGD_iter=3'}
-print(','.join(name + short.get(name, '') for name in sorted(ALGORITHMS)))") || return 1
-    "$PY" -m lowband.cli bench --device cuda --workers "$workers" --algorithms "$algorithms" \
-        --dataset synthetic --max-steps "$STEPS" --no-progress --out "$WORK/bench-${workers}w"
+print(' '.join(name + short.get(name, '') for name in sorted(ALGORITHMS)))") || return 1
+    # one bench per algorithm, so that one failure does not hide the others' results
+    for spec in $algorithms; do
+        rc=0
+        "$PY" -m lowband.cli bench --device cuda --workers "$workers" --algorithms "$spec" --timeout 60 \
+            --dataset synthetic --max-steps "$STEPS" --no-progress --out "$WORK/bench-${workers}w/${spec%%:*}" || rc=$?
+        if [ "$rc" != 0 ]; then
+            echo "FAILED: $spec x$workers (exit status $rc)"
+            failed=1
+        fi
+    done
+    "$PY" - "$WORK/bench-${workers}w" <<'EOF'
+import glob, json, os, sys
+rows = []
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "results.json"))):
+    with open(f) as fh:
+        rows += json.load(fh)["rows"]
+with open(os.path.join(sys.argv[1], "results.json"), "w") as fh:
+    json.dump({"rows": rows}, fh, indent=1)
+print(f"{len(rows)} result rows in {os.path.join(sys.argv[1], 'results.json')}")
+EOF
+    return $failed
+}
+
+tests() {   # the CUDA-marked tests; the Triton kernels' file too where triton imports
+    local files=(tests/test_cuda.py)
+    if [ -f tests/test_triton_codecs.py ] && "$PY" -c "import triton" 2>/dev/null; then
+        files+=(tests/test_triton_codecs.py)
+    fi
+    "$PY" -m pytest -q -m cuda -p no:cacheprovider "${files[@]}"
 }
 
 main() {
-    echo "lowband gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    echo "lowband gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null; [ $? = 1 ] && echo ' (with local changes)'), $(nproc) cores"
     mkdir -p "$WORK"
-    HAVE_CUDA=$(timeout 30 "$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
-    part versions 25 0 bash -c versions
-    part tests 155 1 "$PY" -m pytest -q -m cuda tests/test_cuda.py
-    part codecs 40 1 "$PY" benchmarks/gpu_codecs.py --device cuda --reps 5
-    part train-2 140 1 bash -c "train 2"
-    part train-1 80 1 bash -c "train 1"
+    HAVE_CUDA=$(timeout 60 "$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+    local parallel=${GPU_CHECK_PARALLEL:-$([ "$(nproc)" -ge 8 ] && echo 1 || echo 0)}
+    part versions 30 0 bash -c versions
+    show versions
+    part codecs 60 1 "$PY" benchmarks/gpu_codecs.py --device cuda --reps 5 --bucket --chunks 2
+    show codecs
+    if [ "$parallel" = 1 ]; then
+        echo
+        echo "(tests, train-2 and train-1 run side by side; each part's output follows when all are done)"
+        part tests 200 1 bash -c tests &
+        part train-2 200 1 bash -c "train 2" &
+        part train-1 150 1 bash -c "train 1" &
+        wait
+    else
+        part tests 200 1 bash -c tests
+        part train-2 160 1 bash -c "train 2"
+        part train-1 100 1 bash -c "train 1"
+    fi
+    show tests train-2 train-1
+    if [ -n "${OUT:-}" ]; then
+        for w in 2 1; do
+            if [ -f "$WORK/bench-${w}w/results.json" ]; then cp "$WORK/bench-${w}w/results.json" "$OUT/bench-${w}w.json"; fi
+        done
+    fi
     echo
     echo "=== summary ==="
     printf '%s\n' "${SUMMARY[@]}"
     return $FAILED
 }
 
-export -f versions train   # parts run as `timeout bash -c NAME`
+export -f versions train tests   # parts run as `timeout bash -c NAME`
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     main 2>&1 | tee "$OUT/gpu_check.txt"

@@ -92,6 +92,42 @@ def test_nccl_world_of_one_keeps_device_and_dtype():
     assert result[-1] == ("all_reduce", "cuda:0", "8.0")
 
 
+#: the fused bucket codecs (native kernels on the CPU, torch path or Triton on CUDA)
+FUSED = [("2bit", {"threshold": 0.5}), ("2bit", {"relative": 1.0, "scale_block": 256}),
+         ("2bit", {"relative": 0.7, "scale_block": 100}), ("1bit", {})]
+
+
+def _reduce_bits(rank: int, world: int, device: str, name: str, options: dict):
+    """Three error-feedback steps of each reducer on ``device``: the outputs and residuals,
+    moved to the CPU."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    segments = [("a", 37), ("b", 1000), ("c", 5), ("d", 4099)]
+    total = sum(n for _, n in segments)
+    found = []
+    for kind in ("allgather", "two-stage"):
+        red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(name, **options)))
+        for step in range(3):
+            x = torch.randn(total, generator=torch.Generator().manual_seed(100 * rank + step)).to(dev)
+            found.append(red.reduce(x, "b", segments).cpu())
+        found.extend(v.cpu() for _, v in sorted(red.state_dict()["worker"].items()))
+        red.close()
+    return found
+
+
+@pytest.mark.parametrize("name, options", FUSED)
+def test_fused_reducers_on_cuda_equal_the_cpu_bit_for_bit(name, options):
+    """The same reduction over gloo with CPU tensors (native kernels) and with CUDA tensors:
+    every output and residual equal bit for bit."""
+    cpu = run_distributed(_reduce_bits, 2, "cpu", name, options)
+    gpu = run_distributed(_reduce_bits, 2, "cuda", name, options)
+    for rank in range(2):
+        assert len(cpu[rank]) == len(gpu[rank])
+        for k, (a, b) in enumerate(zip(cpu[rank], gpu[rank])):
+            assert torch.equal(_bits(a), _bits(b)), (rank, k)
+
+
 #: GPU cycles of ``torch.cuda._sleep``: long enough (tens of ms on any recent GPU) that a
 #: missing stream order would let the other stream read the old values
 SLEEP_CYCLES = 50_000_000
