@@ -38,7 +38,8 @@ export PY
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${TMPDIR:-/tmp}/gpu_check.$$
 STEPS=${GPU_CHECK_STEPS:-10}
-export WORK STEPS
+LANES=${GPU_CHECK_LANES:-$([ "$(nproc)" -ge 8 ] && echo 3 || echo 1)}   # training runs side by side
+export WORK STEPS LANES
 declare -a SUMMARY=()
 FAILED=0
 
@@ -89,22 +90,31 @@ EOF
     if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L; fi
 }
 
+bench_one() {   # bench_one WORKERS SPEC: one algorithm's short run, its output to a log of its own
+    local workers=$1 spec=$2
+    local log=$WORK/bench-${workers}w/${spec%%:*}.log
+    if "$PY" -m lowband.cli bench --device cuda --workers "$workers" --algorithms "$spec" --timeout 60 \
+        --dataset synthetic --max-steps "$STEPS" --no-progress --out "$WORK/bench-${workers}w/${spec%%:*}" >"$log" 2>&1; then
+        echo "ok: $spec x$workers"
+    else
+        echo "FAILED: $spec x$workers (exit status $?)"
+    fi
+}
+
 train() {   # train WORKERS: every algorithm, a few steps, on the GPU (short warm-ups: see above)
-    local workers=$1 algorithms spec rc failed=0
+    local workers=$1 algorithms spec
     algorithms=$("$PY" -c "
 from lowband.algorithms import ALGORITHMS
 short = {'compressed': ':warmup_steps=3', 'cpsgd': ':warmup_steps=3:correction_period=3:adapt_period=true',
          'ddp-powersgd': ':start_powerSGD_iter=3'}
 print(' '.join(name + short.get(name, '') for name in sorted(ALGORITHMS)))") || return 1
-    # one bench per algorithm, so that one failure does not hide the others' results
+    mkdir -p "$WORK/bench-${workers}w"
+    # one bench per algorithm (one failure does not hide the others' results), LANES at a time
+    printf '%s\n' $algorithms | xargs -P "$LANES" -I{} bash -c 'bench_one "$0" "$1"' "$workers" {} \
+        >"$WORK/bench-${workers}w/status.txt"
     for spec in $algorithms; do
-        rc=0
-        "$PY" -m lowband.cli bench --device cuda --workers "$workers" --algorithms "$spec" --timeout 60 \
-            --dataset synthetic --max-steps "$STEPS" --no-progress --out "$WORK/bench-${workers}w/${spec%%:*}" || rc=$?
-        if [ "$rc" != 0 ]; then
-            echo "FAILED: $spec x$workers (exit status $rc)"
-            failed=1
-        fi
+        echo "--- $spec x$workers"
+        grep -v "UserWarning\|return func(\|Guessing device ID\|ax.legend" "$WORK/bench-${workers}w/${spec%%:*}.log"
     done
     "$PY" - "$WORK/bench-${workers}w" <<'EOF'
 import glob, json, os, sys
@@ -116,7 +126,8 @@ with open(os.path.join(sys.argv[1], "results.json"), "w") as fh:
     json.dump({"rows": rows}, fh, indent=1)
 print(f"{len(rows)} result rows in {os.path.join(sys.argv[1], 'results.json')}")
 EOF
-    return $failed
+    sort "$WORK/bench-${workers}w/status.txt"
+    ! grep -q FAILED "$WORK/bench-${workers}w/status.txt"
 }
 
 tests() {   # the CUDA-marked tests; the Triton kernels' file too where triton imports
@@ -160,7 +171,7 @@ main() {
     return $FAILED
 }
 
-export -f versions train tests   # parts run as `timeout bash -c NAME`
+export -f versions bench_one train tests   # parts run as `timeout bash -c NAME`
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     main 2>&1 | tee "$OUT/gpu_check.txt"

@@ -12,6 +12,14 @@ from .metrics import format_table
 DEFAULT_SECTION = "bench"
 
 
+
+def _legend(ax, **kw) -> None:
+    """A legend where the axes drew something labelled (a run with only ``noop``, or only
+    loopback rows, draws nothing there; matplotlib would warn)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+
+
 def markers(section: str) -> tuple[str, str]:
     """The comment lines that delimit one generated section of a markdown file."""
     return f"<!-- lowband-{section}:begin -->", f"<!-- lowband-{section}:end -->"
@@ -110,7 +118,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0], fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "accuracy_vs_time.png"), dpi=110)
     plt.close(fig)
@@ -127,7 +135,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
         ax.set_title(f"{w} workers, {bw}")
         ax.set_ylabel("median step (ms)")
         ax.tick_params(axis="x", rotation=45, labelsize=7)
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0], fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "step_time_split.png"), dpi=110)
     plt.close(fig)
@@ -146,8 +154,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
     ax.set_xlabel("link rate (Mbit/s)")
     ax.set_ylabel("samples/s (all workers)")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:      # loopback-only runs draw no line here
-        ax.legend(fontsize=6, ncol=2)
+    _legend(ax, fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "throughput_vs_bandwidth.png"), dpi=110)
     plt.close(fig)
@@ -304,7 +311,7 @@ def plot_to_target(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
             ax.set_xlabel("training time (s, evaluation excluded)")
             ax.set_ylabel("validation loss (nats/byte)" if mine[0]["target_metric"] == "test_loss" else "test accuracy")
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
+        _legend(axes[0][0], fontsize=7)
         fig.tight_layout()
         name = f"to_target_{model}.png"
         fig.savefig(os.path.join(out_dir, name), dpi=110)
@@ -377,7 +384,7 @@ def plot_tau(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
         ax.set_xlabel("step")
         ax.set_ylabel("tau")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, TAU_PLOT), dpi=110)
     plt.close(fig)

@@ -21,6 +21,7 @@ bucket), so it is an upper bound on pure waiting. See ``docs/peers.md``.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
@@ -149,6 +150,12 @@ class DDPPowerSGD(DDP):
         return BoundDDPPowerSGD(self, ctx)
 
 
+#: DDP's per-forward buffer broadcast flag: ``forward_sync_buffers`` since torch 2.13,
+#: ``broadcast_buffers`` before (the GPU image runs torch 2.11)
+_SYNC_BUFFERS_FLAG = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                      else "broadcast_buffers")
+
+
 class BoundDDP(BoundAlgorithm):
     """DDP bound to one engine: the DistributedDataParallel wrapper and the wait clock."""
 
@@ -166,8 +173,8 @@ class BoundDDP(BoundAlgorithm):
         # DDP's own buffer broadcast is replaced by a counted one (see _broadcast_buffers).
         self.ddp = DistributedDataParallel(
             model, process_group=self.ctx.comm.group, bucket_cap_mb=self.cfg.bucket_cap_mb,
-            forward_sync_buffers=self.cfg.broadcast_buffers, init_sync=False,
-            find_unused_parameters=self.cfg.find_unused_parameters)
+            init_sync=False, find_unused_parameters=self.cfg.find_unused_parameters,
+            **{_SYNC_BUFFERS_FLAG: self.cfg.broadcast_buffers})
         if self.cfg.broadcast_buffers and any(True for _ in model.buffers()):
             from torch.nn.parallel.distributed import _BufferCommHookLocation
             self.ddp._register_buffer_comm_hook(self, BoundDDP._broadcast_buffers, _BufferCommHookLocation.PRE_FORWARD)

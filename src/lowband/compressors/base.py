@@ -193,6 +193,17 @@ def flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).to(torch.float32)
 
 
+def exact_divisor(value: float, like: torch.Tensor) -> "float | torch.Tensor":
+    """``value`` as a divisor that torch divides ``like`` by with a correctly rounded division
+    on every device. On CUDA, torch turns a division by a Python number into a multiplication
+    by its reciprocal, which is not correctly rounded (1/3, say), so the codecs would stop
+    matching the CPU's bits there; a 0-dim tensor on the device divides exactly. On the CPU
+    the number itself (no allocation)."""
+    if like.device.type == "cpu":
+        return value
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
 def check_positive(name: str, value: Any, kind: type = float) -> None:
     """Raise ``ValueError`` unless ``value`` is a positive real (``kind=int``: integer) number.
 

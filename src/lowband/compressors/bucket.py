@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from . import kernels
-from .base import Compressor, Ctx, Payload, as_shape
+from .base import Compressor, Ctx, Payload, as_shape, exact_divisor
 from .bitpack import words_for
 from .error_feedback import ErrorFeedback
 from .onebit import OneBitSign
@@ -322,7 +322,7 @@ class BucketCodec:
             if acc is None:
                 acc = torch.zeros(n, device=out.device)
             if divisor != 1.0:
-                acc = acc.div_(divisor)
+                acc = acc.div_(exact_divisor(divisor, acc))
             out[dst:dst + n] = acc
 
 
@@ -343,7 +343,7 @@ def mean_rows(rows: torch.Tensor, divisor: float) -> torch.Tensor:
     for q in range(1, K):
         out.add_(rows[q])
     if divisor != 1.0:
-        out.div_(divisor)
+        out.div_(exact_divisor(divisor, out))
     return out
 
 

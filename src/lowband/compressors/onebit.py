@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from .base import Compressor, Ctx, Payload, as_shape, flat_fp32, scratch
+from .base import Compressor, Ctx, Payload, as_shape, exact_divisor, flat_fp32, scratch
 from .bitpack import pack_1bit, unpack_1bit, words_for
 from .sums import canonical_sum
 
@@ -39,7 +39,8 @@ class OneBitSign(Compressor):
         bits[n:].zero_()
         torch.bitwise_right_shift(x.view(torch.uint8)[SIGN_BYTE::4], SIGN_SHIFT, out=bits[:n])
         magnitude = torch.abs(x, out=scratch.get("1bit.abs", n, torch.float32, x.device))
-        scale = (canonical_sum(magnitude) / max(n, 1)).reshape(1)   # canonical order (sums.py)
+        total = canonical_sum(magnitude)                            # canonical order (sums.py)
+        scale = (total / exact_divisor(float(max(n, 1)), total)).reshape(1)
         return [pack_1bit(bits), scale], Ctx(tensor.shape, tensor.dtype, name)
 
     def compress_residual_(

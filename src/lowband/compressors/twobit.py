@@ -47,7 +47,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .base import Compressor, Ctx, Payload, as_shape, check_positive, flat_fp32, scratch
+from .base import Compressor, Ctx, Payload, as_shape, check_positive, exact_divisor, flat_fp32, scratch
 from .bitpack import pack_ternary, unpack_ternary, words_for
 from .sums import row_sums
 
@@ -159,7 +159,9 @@ class TwoBitQuantizer(Compressor):
         packed = words.view(torch.uint8)
         block = self._block(n, r.device)
         y_buf = scratch.get("2bit.y", min(block, n), torch.float32, r.device)
-        s_buf = scratch.get("2bit.signs", min(block, words_for(n, 2) * CODES_PER_WORD), torch.int8, r.device)
+        # one block's codes, padded to whole words (the block is the whole tensor off the CPU)
+        s_buf = scratch.get("2bit.signs", words_for(min(block, n), 2) * CODES_PER_WORD, torch.int8, r.device)
+        divisor = exact_divisor(t, r)
         for start in range(0, n, block):
             rb = r[start : start + block]
             k = rb.numel()
@@ -167,7 +169,7 @@ class TwoBitQuantizer(Compressor):
             if add is not None:
                 rb.add_(add[start : start + k])
             y = y_buf[:k]
-            torch.div(rb, t, out=y)
+            torch.div(rb, divisor, out=y)
             y.clamp_(-1.0, 1.0)
             signs = s_buf[:kpad]
             if kpad > k:  # only the last block has padding; skip the dispatch otherwise
