@@ -104,8 +104,18 @@ def twobit_case(draw):
     n = draw(st.integers(0, 150))
     grad = draw(st.lists(st.one_of(special, finite), min_size=n, max_size=n))
     residual = draw(st.lists(st.one_of(st.just(0.0), finite), min_size=n, max_size=n))
-    block = draw(st.sampled_from([16, 48, 1 << 16]))
+    block = draw(st.sampled_from([16, 48, 1 << 16, None]))   # None: the whole tensor, as off the CPU
     return t, grad, residual, block
+
+
+def _twobit(t, block):
+    """A 2-bit quantizer with cache blocks of ``block`` elements, or (None) one block of the
+    whole tensor, which is what it uses on a GPU: sizes that are not a multiple of 16 then
+    end inside the block's last word."""
+    q = TwoBitQuantizer(t, block_size=block or 16)
+    if block is None:
+        q._block = lambda n, device: max(n, 1)
+    return q
 
 
 @FAST
@@ -113,7 +123,7 @@ def twobit_case(draw):
 def test_twobit_matches_mxnet_reference_bit_for_bit(case):
     t, grad, residual, block = case
     words, codes, new_res = mxnet_2bit_reference(grad, residual, t)
-    q = TwoBitQuantizer(t, block_size=block)
+    q = _twobit(t, block)
     g = torch.tensor(grad, dtype=torch.float32)
     e = torch.tensor(residual, dtype=torch.float32)
     # plain compress of r = e + g gives the same words
@@ -123,7 +133,7 @@ def test_twobit_matches_mxnet_reference_bit_for_bit(case):
     assert q.codes(payload, ctx).tolist() == codes
     assert q.decompress(payload, ctx).tolist() == [f32(c * t) for c in codes]
     # fused EF path: same words, residual equals MXNet's e <- r - q (as values)
-    ef = ErrorFeedback(TwoBitQuantizer(t, block_size=block))
+    ef = ErrorFeedback(_twobit(t, block))
     if grad:
         ef.compress(torch.zeros(len(grad)), "w")  # create the residual, then seed it
         ef.residual("w").copy_(e)

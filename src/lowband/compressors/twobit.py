@@ -215,7 +215,7 @@ class TwoBitQuantizer(Compressor):
             return out.reshape(ctx.shape).to(ctx.dtype)
         t = self.threshold
         block = self._block(n, packed.device)
-        s_buf = scratch.get("2bit.dsigns", min(block, words_for(n, 2) * CODES_PER_WORD), torch.int8, packed.device)
+        s_buf = scratch.get("2bit.dsigns", words_for(min(block, n), 2) * CODES_PER_WORD, torch.int8, packed.device)
         for start in range(0, n, block):
             ob = out[start : start + block]
             k = ob.numel()
