@@ -242,7 +242,8 @@ if triton is not None:
         j = j0 + tl.arange(0, BLOCK)
         m = j < ln
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for q in range(0, K):
+        q = 0
+        while q < K:   # (not range(K): triton 3.6's interpreter cannot index with a scalar arg under numpy 2)
             base = q * stride
             if KIND == 2:
                 sb = tl.load(src32 + base + sscale).to(tl.uint32, bitcast=True)
@@ -265,6 +266,7 @@ if triton is not None:
                 acc = acc + d
             else:
                 acc = tl.where(q == 0, d, acc + d)
+            q += 1
         if DIVIDE:
             acc = tl.math.div_rn(acc, tl.cast(divisor, tl.float32))
         tl.store(out_ptr + dst + j, acc, mask=m)
@@ -355,20 +357,39 @@ class _Plan:
         self.levels = [(dev(lv), len(lv)) for lv in levels]
 
 
+def _ready(device: torch.device):
+    """An event after the tables' copies (CUDA), for streams other than the one that built them."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait(event, device: torch.device) -> None:
+    if event is not None:   # a device-side wait: the host never blocks
+        torch.cuda.current_stream(device).wait_event(event)
+
+
 def _plan(bc, device: torch.device) -> _Plan:
     cache = bc.__dict__.setdefault("_triton_plans", {})
-    plan = cache.get(device)
-    if plan is None:
-        plan = cache[device] = _Plan(bc, device)
-    return plan
+    entry = cache.get(device)
+    if entry is None:
+        plan = _Plan(bc, device)
+        entry = cache[device] = (plan, _ready(device))
+    _wait(entry[1], device)
+    return entry[0]
 
 
-def _cached(bc, key, build):
+def _cached(bc, key, device: torch.device, build):
     cache = bc.__dict__.setdefault("_triton_tables", OrderedDict())
     if key in cache:
         cache.move_to_end(key)
-        return cache[key]
-    value = cache[key] = build()
+        value, event = cache[key]
+        _wait(event, device)
+        return value
+    value = build()
+    cache[key] = (value, _ready(device))
     if len(cache) > _CACHE_MAX:
         cache.popitem(last=False)
     return value
@@ -386,7 +407,7 @@ def encode(bc, g: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Ten
     (uint8, 4-byte aligned), bit for bit as ``lb_*_encode``."""
     device, kind = g.device, bc.kind
     plan = _plan(bc, device)
-    sk = None if skip is None else _cached(bc, ("skip", device, skip.tobytes()),
+    sk = None if skip is None else _cached(bc, ("skip", device, skip.tobytes()), device,
                                            lambda: _to_device(skip.astype(np.int64), device))
     has_e, has_skip = residual is not None, sk is not None
     e = residual if has_e else g
@@ -431,7 +452,7 @@ def decode(bc, src: torch.Tensor, sources: int, table: np.ndarray, count: int, o
         tiles = _tiles(table[:, 4], DEC_BLOCK, False)
         return _to_device(table, device), _to_device(tiles, device), len(tiles)
 
-    runs, tiles, ntiles = _cached(bc, ("dec", device, table.tobytes()), build)
+    runs, tiles, ntiles = _cached(bc, ("dec", device, table.tobytes()), device, build)
     t = float(bc.codec.threshold) if kind == KIND_TWOBIT else 0.0
     bs = int(bc.codec.scale_block or 0) if kind == KIND_TWOBIT_REL else 0
     _launch(_decode_kernel, (ntiles,), src, stride // 4, sources, runs, tiles, out, t, bs, float(divisor),
