@@ -17,7 +17,8 @@ block, blocks starting at the chunk's start, so the chunk's owner decodes it alo
 :class:`BucketCodec` runs a codec over such a layout with error feedback: ``encode`` reads the
 bucket and its residual and writes every section in one call; ``decode`` decodes K sections and
 accumulates them into one fp32 output in one call. For 2-bit (both modes) and 1-bit on CPU
-the calls go to the native kernels (:mod:`.kernels`, GIL released); otherwise the same
+the calls go to the native kernels (:mod:`.kernels`, GIL released), on CUDA to the Triton
+kernels (:mod:`.kernels.triton_codecs`, when triton imports); otherwise the same
 layout is filled chunk by chunk through the codec's torch ``compress_residual_`` /
 ``decompress`` (the fallback, bit-identical for the native codecs; ``LOWBAND_CODEC_KERNELS``).
 
