@@ -98,7 +98,7 @@ if triton is not None:
         t = tl.sqrt_rn(tl.math.div_rn(sq, L.to(tl.float32))) * a
         return tl.where(t < 1.1754943508222875e-38, 1.1754943508222875e-38, t)   # NaN stays NaN
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nrows"])   # fewer compiled variants per layout
     def _rows_kernel(g_ptr, e_ptr, runs_ptr, skip_ptr, rows_ptr, groups_ptr, fin_ptr, sq_ptr, part_ptr, cnt_ptr,
                      nrows, a,
                      MODE: tl.constexpr, HAS_E: tl.constexpr, HAS_SKIP: tl.constexpr, R: tl.constexpr):
@@ -138,7 +138,7 @@ if triton is not None:
             tl.atomic_add(cnt_ptr + grp, tl.sum(fired.to(tl.int32), axis=1), mask=live)
         tl.store(part_ptr + row, _fold256(x, R), mask=live)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nrows"])   # fewer compiled variants per layout
     def _fold_kernel(part_ptr, level_ptr, nrows, R: tl.constexpr):
         """One later level: rows (first input, count <= 256, output) of earlier sums."""
         row = tl.program_id(0) * R + tl.arange(0, R)
@@ -152,7 +152,7 @@ if triton is not None:
         x = tl.where(valid, x, 0.0)
         tl.store(part_ptr + dst, _fold256(x, R), mask=live)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["bs"])   # fewer compiled variants per layout
     def _encode_kernel(g_ptr, e_ptr, runs_ptr, tiles_ptr, skip_ptr, out_ptr, t, bs,
                        rg_ptr, sq_ptr, sa_ptr, fin_ptr, cnt_ptr, a,
                        KIND: tl.constexpr, HAS_E: tl.constexpr, HAS_SKIP: tl.constexpr, BW: tl.constexpr):
@@ -225,7 +225,7 @@ if triton is not None:
         nw = (c + PER - 1) // PER
         tl.store(out32 + dw + w0 + wi, word.to(tl.int32, bitcast=True), mask=(w0 + wi) < nw)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride", "K", "bs"])   # fewer compiled variants per layout
     def _decode_kernel(src_ptr, stride, K, runs_ptr, tiles_ptr, out_ptr, t, bs, divisor,
                        KIND: tl.constexpr, FROM_ZERO: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
         """out[dst + j] = ((0 +) d_0 + d_1 + ... + d_{K-1}) (/ divisor) for BLOCK elements of one
