@@ -17,7 +17,8 @@ block, blocks starting at the chunk's start, so the chunk's owner decodes it alo
 :class:`BucketCodec` runs a codec over such a layout with error feedback: ``encode`` reads the
 bucket and its residual and writes every section in one call; ``decode`` decodes K sections and
 accumulates them into one fp32 output in one call. For 2-bit (both modes) and 1-bit on CPU
-the calls go to the native kernels (:mod:`.kernels`, GIL released); otherwise the same
+the calls go to the native kernels (:mod:`.kernels`, GIL released), on CUDA to the Triton
+kernels (:mod:`.kernels.triton_codecs`, when triton imports); otherwise the same
 layout is filled chunk by chunk through the codec's torch ``compress_residual_`` /
 ``decompress`` (the fallback, bit-identical for the native codecs; ``LOWBAND_CODEC_KERNELS``).
 
@@ -202,6 +203,8 @@ class BucketCodec:
             raise ValueError("BucketCodec takes the inner codec; residuals are passed to encode()")
         self.codec, self.fmt, self.layout, self.name_of = codec, fmt, layout, name_of
         self.kind = fmt.kind
+        # tests: a triton_codecs module (one loaded with TRITON_INTERPRET=1) to run on CPU tensors
+        self._triton_on_cpu = None
         self._ctx: dict[tuple[int, int], Ctx] = {}
         lay = layout
         S, N = lay.segments, lay.chunks
@@ -215,10 +218,32 @@ class BucketCodec:
 
     # -- helpers -----------------------------------------------------------------------
     def _lib(self, *tensors: torch.Tensor):
-        if self.kind is None or any(t is not None and (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.uint8)
+        if self.kind is None or self._triton_on_cpu is not None or any(t is not None and (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.uint8)
                                                        or not t.is_contiguous()) for t in tensors):
             return None
         return kernels.library()
+
+    def _triton(self, *tensors: torch.Tensor):
+        """The Triton kernels (:mod:`.kernels.triton_codecs`) when every tensor is on one CUDA
+        device, contiguous, 4-byte aligned, and the kind has a kernel; else None."""
+        if self.kind is None:
+            return None
+        ts = [t for t in tensors if t is not None]
+        dev = ts[0].device
+        if dev.type != "cuda" and not (dev.type == "cpu" and self._triton_on_cpu is not None):
+            return None
+        if any(t.device != dev or t.dtype not in (torch.float32, torch.uint8) or not t.is_contiguous()
+               or t.data_ptr() % 4 for t in ts):
+            return None
+        if kernels.mode() == "torch":
+            return None
+        if dev.type == "cpu":
+            return self._triton_on_cpu
+        from .kernels import triton_codecs
+        return triton_codecs if triton_codecs.supports(self.kind) else None
+
+    def uses_triton(self, like: torch.Tensor) -> bool:
+        return self._triton(like) is not None
 
     def uses_native(self, like: torch.Tensor) -> bool:
         return self._lib(like) is not None
@@ -229,8 +254,11 @@ class BucketCodec:
         """Encode the flat bucket ``g`` (with error feedback into ``residual`` when given) into
         the sections of ``out`` (uint8, ``chunks * section`` bytes; flags not written)."""
         lib = self._lib(g, residual, out)
+        tri = None if lib is not None else self._triton(g, residual, out)
         if lib is not None:
             self._encode_native(lib, g, residual, out, skip)
+        elif tri is not None:
+            tri.encode(self, g, residual, out, skip)
         else:
             self._encode_torch(g, residual, out, skip)
 
@@ -305,6 +333,10 @@ class BucketCodec:
             bs = int(c.scale_block or 0) if self.kind == KIND_TWOBIT_REL else 0
             lib.lb_decode(self.kind, src.data_ptr(), stride // 4, sources, table.ctypes.data, runs.count,
                           t, bs, int(from_zero), float(divisor), out.data_ptr())
+            return
+        tri = self._triton(src, out)
+        if tri is not None:
+            tri.decode(self, src, sources, table, runs.count, out, from_zero, divisor, stride)
             return
         lay = self.layout
         for k in range(runs.count):
