@@ -135,7 +135,9 @@ tests() {   # the CUDA-marked tests; the Triton kernels' file too where triton i
     if [ -f tests/test_triton_codecs.py ] && "$PY" -c "import triton" 2>/dev/null; then
         files+=(tests/test_triton_codecs.py)
     fi
-    "$PY" -m pytest -q -m cuda -p no:cacheprovider "${files[@]}"
+    local workers=()   # pytest-xdist, where installed, runs the files' tests 4 at a time
+    if "$PY" -c "import xdist" 2>/dev/null && [ "$(nproc)" -ge 8 ]; then workers=(-n 4); fi
+    "$PY" -m pytest -q -m cuda -p no:cacheprovider "${workers[@]}" "${files[@]}"
 }
 
 main() {
@@ -150,12 +152,12 @@ main() {
     if [ "$parallel" = 1 ]; then
         echo
         echo "(tests, train-2 and train-1 run side by side; each part's output follows when all are done)"
-        part tests 200 1 bash -c tests &
+        part tests 280 1 bash -c tests &
         part train-2 200 1 bash -c "train 2" &
         part train-1 150 1 bash -c "train 1" &
         wait
     else
-        part tests 200 1 bash -c tests
+        part tests 280 1 bash -c tests
         part train-2 160 1 bash -c "train 2"
         part train-1 100 1 bash -c "train 1"
     fi

@@ -126,7 +126,7 @@ def bucket_rows(dev: torch.device, chunks: int, reps: int) -> int:
             dec = torch.empty(total, device=dev)
             enc_s = best_time(lambda: bc.encode(g, e, out), reps, sync)
             dec_s = best_time(lambda: bc.decode(out, chunks, runs, table, dec, True, float(chunks), lay.section), reps, sync)
-            path = "native" if bc.uses_native(g) else "torch"
+            path = "native" if bc.uses_native(g) else "triton" if bc.uses_triton(g) else "torch"
             print(f"| {label} | {path} | {enc_s * 1e3:.2f} | {dec_s * 1e3:.2f} | {enc_s / clone_s:.3g} | {dec_s / clone_s:.3g} |")
         except Exception as exc:     # one broken codec must not hide the others' numbers
             failed += 1
