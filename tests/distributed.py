@@ -63,11 +63,27 @@ def _context():
     return _CTX
 
 
+#: attempts when rank 0's store finds its port taken (free_port's port can be taken by another
+#: process before rank 0 binds it: seen with pytest-xdist running tests side by side)
+PORT_ATTEMPTS = 3
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0,
                     backend: str = "gloo") -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks (gloo, or ``backend``);
     returns results by rank.
-    Raises with the failing rank's traceback; never waits longer than ``timeout_s``."""
+    Raises with the failing rank's traceback; never waits longer than ``timeout_s`` per attempt
+    (a new port and attempt only when the first one was taken: EADDRINUSE)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout_s, backend)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, backend: str) -> list[Any]:
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
