@@ -77,3 +77,30 @@ def test_a_failed_link_emulation_command_is_one_line_not_a_traceback(monkeypatch
     err = capsys.readouterr().err
     assert err == ("lowband: error: network emulation: command failed (exit 2): ip -n lb-w0 route replace: "
                    "Error: invalid argument\n")
+
+
+def test_bench_goes_on_after_a_failed_run_and_exits_nonzero(tmp_path, monkeypatch, capsys):
+    """One failed run (a worker dies) neither stops the other runs nor passes silently: the
+    finished run's row is in results.json, the failure is named there and on stderr, and the
+    exit status is the failure's."""
+    from lowband import bench as bench_module, cli
+    from lowband.launcher import LaunchResult
+    from lowband.runner import RunFailed
+
+    real = bench_module.run_on_link
+
+    def first_fails(cfg, rate):
+        if cfg.algorithm == "ssgd":
+            raise RunFailed(cfg, LaunchResult(returncode=3, failed_rank=1, returncodes=[0, 3]))
+        return real(cfg, rate)
+
+    monkeypatch.setattr(bench_module, "run_on_link", first_fails)
+    out = tmp_path / "bench"
+    rc = cli.main(["bench", "--algorithms", "ssgd,noop", "--model", "mlp", "--dataset", "synthetic",
+                   "--batch-size", "16", "--max-steps", "4", "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 3
+    results = json.loads((out / "results.json").read_text())
+    assert [r["algorithm"] for r in results["rows"]] == ["noop"]
+    assert results["failed"] == ["ssgd x2 over none"]
+    assert "1 of 2 runs failed: ssgd x2 over none" in err

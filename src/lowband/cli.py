@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "seed and data; write results.json and plots to --out and print a markdown table. "
                                    "Step times are medians over the steady steps: after the first 5 and after the "
                                    "algorithm's own warm-up (the steps it logs as warmup); 'mean step ms' and the "
-                                   "time to target cover the whole run.")
+                                   "time to target cover the whole run. A run that fails is reported and the "
+                                   "others still run; the exit status is then the first failure's.")
     b.add_argument("--algorithms", default="noop,ssgd",
                    help="comma-separated algorithm names, each optionally with its own options as "
                         "NAME:KEY=VALUE[:KEY=VALUE] (default: %(default)s)")
@@ -418,14 +419,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = {"command": command, "machine": f"{platform.node()}, {os.cpu_count()} cores",
                "link": "tc tbf on both ends of each worker's veth" if any(r for _, r in links) else "loopback",
                "rows": rows}
+    failed: list[tuple[str, int]] = []     # (what, exit status): a failed run does not stop the others
     for i, (r, label, rate, cfg, spec) in enumerate(configs, 1):
+        what = f"{spec} x{cfg.workers} over {label}" + (f" (round {r + 1})" if args.repeat > 1 else "")
         print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label} on {cfg.device}"
               + (f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
         try:
             row = run_on_link(cfg, rate)
         except RunFailed as e:
             print(f"lowband: error: {e}", file=sys.stderr)
-            return e.result.returncode
+            failed.append((what, e.result.returncode or 1))
+            results["failed"] = [w for w, _ in failed]
+            write_json_atomic(os.path.join(args.out, RESULTS_FILE), results)
+            continue
         if row["warmup_steps_logged"] and not row["steady_steps"]:
             print(f"lowband: note: {spec} x{cfg.workers} over {label}: all {row['steps']} steps were in the "
                   "algorithm's warm-up, so its step times are the warm-up's (raise --max-steps or lower "
@@ -443,9 +449,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"{row['algorithm']} x{row['workers']} over {row['bandwidth']}: median step ms of the "
                   f"{args.repeat} runs " + ", ".join(f"{x:.1f}" for x in row["median_step_ms_repeats"])
                   + f" (reported: run {row['repeat']})", file=sys.stderr)
-    print_tables(derive(rows))
-    images = plot(derive(rows), args.out)
-    print(f"results: {os.path.join(args.out, RESULTS_FILE)}; plots: {', '.join(images)}", file=sys.stderr)
+    if rows:
+        print_tables(derive(rows))
+        images = plot(derive(rows), args.out)
+        print(f"results: {os.path.join(args.out, RESULTS_FILE)}; plots: {', '.join(images)}", file=sys.stderr)
+    if failed:    # the tables hold the runs that finished; a partial section is not written into --doc
+        print(f"lowband: error: {len(failed)} of {len(configs)} runs failed: {', '.join(w for w, _ in failed)}"
+              + (f"; {args.doc} left unchanged" if args.doc else ""), file=sys.stderr)
+        return failed[0][1]
     if args.doc:
         update_doc(args.doc, render_section(results, os.path.join(args.out, RESULTS_FILE), args.out, args.doc,
                                             args.section), args.section)
