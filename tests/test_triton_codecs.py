@@ -249,3 +249,35 @@ def test_cuda_triton_decode_equals_c_kernel(case):
 def test_cuda_triton_path_is_taken_on_a_cuda_bucket():
     bc = _bucket(CODECS[0], [33], 2)
     assert bc.uses_triton(torch.zeros(1, device="cuda")) and not bc.uses_native(torch.zeros(1, device="cuda"))
+
+
+def test_tables_used_on_another_stream_are_recorded_there(monkeypatch):
+    """A cached table read on a stream other than the one that made it: that stream waits for
+    the table's copy (device-side) and the table is ``record_stream``-ed on it, so evicting it
+    from the cache cannot free memory a kernel there may still read; on its own stream, only
+    the wait. (Stand-ins for the CUDA stream, event and tensor: this runs without a GPU.)"""
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    class Table:
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, stream):
+            self.recorded.append(stream)
+
+    made_on, other, event = Stream(), Stream(), object()
+    table = Table()
+    current = [made_on]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    triton_codecs._use((event, made_on), [table], torch.device("cuda", 0))
+    assert made_on.waited == [event] and table.recorded == []
+    current[0] = other
+    triton_codecs._use((event, made_on), [table], torch.device("cuda", 0))
+    assert other.waited == [event] and table.recorded == [other]
+    triton_codecs._use(None, [table], torch.device("cpu"))     # CPU tensors: nothing to order
+    assert table.recorded == [other]

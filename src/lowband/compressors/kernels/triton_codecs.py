@@ -356,19 +356,37 @@ class _Plan:
         self.groups, self.rg, self.rows, self.fin = dev(groups), dev(rg), dev(rows), dev(fin)
         self.levels = [(dev(lv), len(lv)) for lv in levels]
 
+    def tensors(self) -> list:
+        out = [self.runs, self.tiles]
+        if self.reduce:
+            out += [self.groups, self.rg, self.rows, self.fin] + [lv for lv, _ in self.levels]
+        return out
+
 
 def _ready(device: torch.device):
-    """An event after the tables' copies (CUDA), for streams other than the one that built them."""
+    """(an event after the tables' copies, the stream that made them) on CUDA, for streams
+    other than that one; None elsewhere."""
     if device.type != "cuda":
         return None
+    stream = torch.cuda.current_stream(device)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+    event.record(stream)
+    return event, stream
 
 
-def _wait(event, device: torch.device) -> None:
-    if event is not None:   # a device-side wait: the host never blocks
-        torch.cuda.current_stream(device).wait_event(event)
+def _use(ready, tensors, device: torch.device) -> None:
+    """Make the current stream ready to read tables made under ``ready``: a device-side wait
+    for their copies (the host never blocks) and, on a stream other than theirs,
+    ``record_stream``, so the caching allocator does not hand their memory out again (the
+    tables are dropped when the cache evicts them) while a kernel here may still read them."""
+    if ready is None:
+        return
+    event, made_on = ready
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(event)
+    if stream != made_on:
+        for t in tensors:
+            t.record_stream(stream)
 
 
 def _plan(bc, device: torch.device) -> _Plan:
@@ -377,16 +395,18 @@ def _plan(bc, device: torch.device) -> _Plan:
     if entry is None:
         plan = _Plan(bc, device)
         entry = cache[device] = (plan, _ready(device))
-    _wait(entry[1], device)
+    _use(entry[1], entry[0].tensors(), device)
     return entry[0]
 
 
 def _cached(bc, key, device: torch.device, build):
+    """``build()``'s device tensor (or tuple holding tensors), cached under ``key``."""
     cache = bc.__dict__.setdefault("_triton_tables", OrderedDict())
     if key in cache:
         cache.move_to_end(key)
-        value, event = cache[key]
-        _wait(event, device)
+        value, ready = cache[key]
+        _use(ready, [v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, torch.Tensor)],
+             device)
         return value
     value = build()
     cache[key] = (value, _ready(device))
