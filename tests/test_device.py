@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lowband import checkpoint, cli, device
-from lowband.compressors.base import scratch
+from lowband.compressors.base import exact_divisor, scratch
 from lowband.config import TrainConfig
 
 from .distributed import run_distributed
@@ -291,3 +291,12 @@ def test_cpsgd_state_reloads_onto_the_model_device():
     devices, saved = run_distributed(_reload_onto_meta, 1)[0]
     assert {"in_flight", "in_flight_measure", "measure", "prev_local"} <= set(saved)
     assert devices == ["meta"]
+
+
+def test_exact_divisor_is_a_device_tensor_off_the_cpu():
+    """torch divides a CUDA tensor by a Python number as a multiplication by its reciprocal
+    (not correctly rounded), so off the CPU the codecs divide by a 0-dim tensor on the
+    tensor's device and dtype; on the CPU by the number itself (no allocation)."""
+    assert exact_divisor(3.0, torch.zeros(2)) == 3.0
+    d = exact_divisor(3.0, torch.zeros(2, device="meta"))
+    assert isinstance(d, torch.Tensor) and d.dim() == 0 and d.device.type == "meta" and d.dtype == torch.float32
