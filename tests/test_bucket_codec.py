@@ -344,3 +344,33 @@ def test_kernel_mode_variable(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "auto")
     bc = _bucket(CODECS[0], [33], 2)
     assert bc.uses_native(torch.zeros(1)) == (kernels.library() is not None)
+
+
+class _CudaLike:
+    """What BucketCodec's dispatch reads of a tensor, for a CUDA device this machine may lack."""
+    device = torch.device("cuda", 0)
+    dtype = torch.float32
+
+    def is_contiguous(self):
+        return True
+
+    def data_ptr(self):
+        return 4096
+
+
+def test_cuda_buckets_without_triton_warn_once_and_take_the_torch_path(monkeypatch):
+    import warnings
+
+    from lowband.compressors import bucket as bucket_module
+    from lowband.compressors.kernels import triton_codecs
+    bc = _bucket(CODECS[0], [33, 7], 2)
+    monkeypatch.setattr(triton_codecs, "triton", None)
+    monkeypatch.setattr(bucket_module, "_warned_torch_path", False)
+    with pytest.warns(RuntimeWarning, match="triton is not installed"):
+        assert bc._triton(_CudaLike()) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bc._triton(_CudaLike()) is None                  # once per process
+        monkeypatch.setattr(bucket_module, "_warned_torch_path", False)
+        monkeypatch.setenv(kernels.ENV, "torch")                  # chosen knowingly: no warning
+        assert bc._triton(_CudaLike()) is None

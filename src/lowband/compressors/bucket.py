@@ -30,6 +30,7 @@ data), so the worker residual is one flat tensor per bucket, viewable per parame
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -240,6 +241,9 @@ class BucketCodec:
         if dev.type == "cpu":
             return self._triton_on_cpu
         from .kernels import triton_codecs
+        if not triton_codecs.available():
+            _warn_torch_path_on_gpu()
+            return None
         return triton_codecs if triton_codecs.supports(self.kind) else None
 
     def uses_triton(self, like: torch.Tensor) -> bool:
@@ -356,6 +360,21 @@ class BucketCodec:
             if divisor != 1.0:
                 acc = acc.div_(exact_divisor(divisor, acc))
             out[dst:dst + n] = acc
+
+
+_warned_torch_path = False
+
+
+def _warn_torch_path_on_gpu() -> None:
+    """Once per process: CUDA buckets of a codec with Triton kernels take the torch path
+    because triton does not import (the CUDA builds of torch install it on Linux x86-64)."""
+    global _warned_torch_path
+    if not _warned_torch_path:
+        _warned_torch_path = True
+        warnings.warn("lowband: triton is not installed, so the 2-bit and 1-bit bucket codecs run on CUDA "
+                      "through the torch path, hundreds of times slower than the Triton kernels "
+                      "(docs/codecs.md); install triton, or set LOWBAND_CODEC_KERNELS=torch to choose "
+                      "the torch path knowingly", RuntimeWarning, stacklevel=3)
 
 
 def mean_rows(rows: torch.Tensor, divisor: float) -> torch.Tensor:
