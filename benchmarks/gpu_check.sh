@@ -15,11 +15,13 @@
 #             against the CPU's native kernels bit for bit, the pipeline's side stream ordered
 #             by events with the compute stream, and waits timed with CUDA events, over gloo
 #             and NCCL
-#   train-2   every algorithm, 2 ranks over gloo with CUDA tensors (NCCL refuses two ranks on
-#             one GPU), a few steps each (lowband bench --device cuda); compressed, cpsgd
-#             (adaptive period) and ddp-powersgd leave their warm-ups after 3 steps, so their
-#             compressed steps run, on the pipeline's side stream for the first two
+#   train-2   every algorithm, 2 ranks over gloo with CUDA tensors (LOWBAND_BACKEND=gloo; with
+#             one GPU NCCL would refuse two ranks on it), a few steps each (lowband bench
+#             --device cuda); compressed, cpsgd (adaptive period) and ddp-powersgd leave their
+#             warm-ups after 3 steps, so their compressed steps run, on the pipeline's side
+#             stream for the first two
 #   train-1   the same, 1 rank over NCCL
+#   train-N-nccl  (2 or more GPUs only) the same, one rank per GPU (up to 4) over NCCL
 # versions and codecs run first, alone (codecs is a timing); the other three run side by side
 # on a machine with 8 or more cores (GPU_CHECK_PARALLEL=0 or 1 overrides), one after the other
 # otherwise: 107 s in all on a 16-core H200 machine (2026-12-04), under 8 minutes sequentially.
@@ -90,33 +92,34 @@ EOF
     if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L; fi
 }
 
-bench_one() {   # bench_one WORKERS SPEC: one algorithm's short run, its output to a log of its own
-    local workers=$1 spec=$2
-    local log=$WORK/bench-${workers}w/${spec%%:*}.log
+bench_one() {   # bench_one WORKERS DIR SPEC: one algorithm's short run, its output to a log of its own
+    local workers=$1 dir=$2 spec=$3
+    local log=$dir/${spec%%:*}.log
     if "$PY" -m lowband.cli bench --device cuda --workers "$workers" --algorithms "$spec" --timeout 60 \
-        --dataset synthetic --max-steps "$STEPS" --no-progress --out "$WORK/bench-${workers}w/${spec%%:*}" >"$log" 2>&1; then
+        --dataset synthetic --max-steps "$STEPS" --no-progress --out "$dir/${spec%%:*}" >"$log" 2>&1; then
         echo "ok: $spec x$workers"
     else
         echo "FAILED: $spec x$workers (exit status $?)"
     fi
 }
 
-train() {   # train WORKERS: every algorithm, a few steps, on the GPU (short warm-ups: see above)
-    local workers=$1 algorithms spec
+train() {   # train WORKERS BACKEND: every algorithm, a few steps, on the GPU (short warm-ups: see above)
+    local workers=$1 dir=$WORK/bench-$1w-$2 algorithms spec
+    export LOWBAND_BACKEND=$2
     algorithms=$("$PY" -c "
 from lowband.algorithms import ALGORITHMS
 short = {'compressed': ':warmup_steps=3', 'cpsgd': ':warmup_steps=3:correction_period=3:adapt_period=true',
          'ddp-powersgd': ':start_powerSGD_iter=3'}
 print(' '.join(name + short.get(name, '') for name in sorted(ALGORITHMS)))") || return 1
-    mkdir -p "$WORK/bench-${workers}w"
+    mkdir -p "$dir"
     # one bench per algorithm (one failure does not hide the others' results), LANES at a time
-    printf '%s\n' $algorithms | xargs -P "$LANES" -I{} bash -c 'bench_one "$0" "$1"' "$workers" {} \
-        >"$WORK/bench-${workers}w/status.txt"
+    printf '%s\n' $algorithms | xargs -P "$LANES" -I{} bash -c 'bench_one "$0" "$1" "$2"' "$workers" "$dir" {} \
+        >"$dir/status.txt"
     for spec in $algorithms; do
         echo "--- $spec x$workers"
-        grep -v "UserWarning\|return func(\|Guessing device ID\|ax.legend" "$WORK/bench-${workers}w/${spec%%:*}.log"
+        grep -v "UserWarning\|return func(\|Guessing device ID\|ax.legend" "$dir/${spec%%:*}.log"
     done
-    "$PY" - "$WORK/bench-${workers}w" <<'EOF'
+    "$PY" - "$dir" <<'EOF'
 import glob, json, os, sys
 rows = []
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*", "results.json"))):
@@ -126,8 +129,8 @@ with open(os.path.join(sys.argv[1], "results.json"), "w") as fh:
     json.dump({"rows": rows}, fh, indent=1)
 print(f"{len(rows)} result rows in {os.path.join(sys.argv[1], 'results.json')}")
 EOF
-    sort "$WORK/bench-${workers}w/status.txt"
-    ! grep -q FAILED "$WORK/bench-${workers}w/status.txt"
+    sort "$dir/status.txt"
+    ! grep -q FAILED "$dir/status.txt"
 }
 
 tests() {   # the CUDA-marked tests; the Triton kernels' file too where triton imports
@@ -144,6 +147,10 @@ main() {
     echo "lowband gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null; [ $? = 1 ] && echo ' (with local changes)'), $(nproc) cores"
     mkdir -p "$WORK"
     HAVE_CUDA=$(timeout 60 "$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+    local gpus nccl_ranks extra=()
+    gpus=$(timeout 60 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    nccl_ranks=$((gpus < 4 ? gpus : 4))
+    if [ "$nccl_ranks" -ge 2 ]; then extra=("train-$nccl_ranks-nccl"); fi
     local parallel=${GPU_CHECK_PARALLEL:-$([ "$(nproc)" -ge 8 ] && echo 1 || echo 0)}
     part versions 30 0 bash -c versions
     show versions
@@ -153,18 +160,20 @@ main() {
         echo
         echo "(tests, train-2 and train-1 run side by side; each part's output follows when all are done)"
         part tests 280 1 bash -c tests &
-        part train-2 200 1 bash -c "train 2" &
-        part train-1 150 1 bash -c "train 1" &
+        part train-2 200 1 bash -c "train 2 gloo" &
+        part train-1 150 1 bash -c "train 1 nccl" &
+        if [ ${#extra[@]} -gt 0 ]; then part "${extra[0]}" 200 1 bash -c "train $nccl_ranks nccl" & fi
         wait
     else
         part tests 280 1 bash -c tests
-        part train-2 160 1 bash -c "train 2"
-        part train-1 100 1 bash -c "train 1"
+        part train-2 160 1 bash -c "train 2 gloo"
+        part train-1 100 1 bash -c "train 1 nccl"
+        if [ ${#extra[@]} -gt 0 ]; then part "${extra[0]}" 160 1 bash -c "train $nccl_ranks nccl"; fi
     fi
-    show tests train-2 train-1
+    show tests train-2 train-1 "${extra[@]}"
     if [ -n "${OUT:-}" ]; then
-        for w in 2 1; do
-            if [ -f "$WORK/bench-${w}w/results.json" ]; then cp "$WORK/bench-${w}w/results.json" "$OUT/bench-${w}w.json"; fi
+        for b in 2w-gloo 1w-nccl "${nccl_ranks}w-nccl"; do
+            if [ -f "$WORK/bench-$b/results.json" ]; then cp "$WORK/bench-$b/results.json" "$OUT/bench-$b.json"; fi
         done
     fi
     echo

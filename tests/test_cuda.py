@@ -59,8 +59,17 @@ def test_every_codec_keeps_device_and_dtype(name):
     assert y.device == x.device and y.dtype == x.dtype and y.shape == x.shape
 
 
+#: more than one GPU: NCCL across ranks can be tested (it refuses two ranks on one GPU)
+several_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL across ranks)")
+
+
+def _gpu(rank: int) -> torch.device:
+    """Rank's GPU: its own where there are enough, else shared (gloo only)."""
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 def _reduce_on_cuda(rank: int, world: int):
-    dev = torch.device("cuda", 0)       # one GPU: both gloo ranks share it
+    dev = _gpu(rank)
     torch.cuda.set_device(dev)
     found = []
     for kind in ("allgather", "two-stage"):
@@ -78,12 +87,14 @@ def _reduce_on_cuda(rank: int, world: int):
     return found
 
 
-def test_gloo_with_cuda_tensors_keeps_device_and_dtype():
-    for rank_result in run_distributed(_reduce_on_cuda, 2):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=several_gpus)])
+def test_two_ranks_with_cuda_tensors_keep_device_and_dtype(backend):
+    for rank, rank_result in enumerate(run_distributed(_reduce_on_cuda, 2, backend=backend)):
+        gpu = str(_gpu(rank))
         for what, device, dtype in rank_result[:-1]:
-            assert device in ("cuda:0", ["cuda:0"]), (what, device)
+            assert device in (gpu, [gpu]), (what, device)
             assert dtype in ("torch.float32", ""), (what, dtype)
-        assert rank_result[-1] == ("all_reduce", "cuda:0", str(8.0 * 2))
+        assert rank_result[-1] == ("all_reduce", gpu, str(8.0 * 2))
 
 
 def test_nccl_world_of_one_keeps_device_and_dtype():
@@ -101,7 +112,7 @@ FUSED = [("2bit", {"threshold": 0.5}), ("2bit", {"relative": 1.0, "scale_block":
 def _reduce_bits(rank: int, world: int, device: str, name: str, options: dict):
     """Three error-feedback steps of each reducer on ``device``: the outputs and residuals,
     moved to the CPU."""
-    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    dev = _gpu(rank) if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     segments = [("a", 37), ("b", 1000), ("c", 5), ("d", 4099)]
@@ -117,12 +128,13 @@ def _reduce_bits(rank: int, world: int, device: str, name: str, options: dict):
     return found
 
 
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=several_gpus)])
 @pytest.mark.parametrize("name, options", FUSED)
-def test_fused_reducers_on_cuda_equal_the_cpu_bit_for_bit(name, options):
-    """The same reduction over gloo with CPU tensors (native kernels) and with CUDA tensors:
-    every output and residual equal bit for bit."""
+def test_fused_reducers_on_cuda_equal_the_cpu_bit_for_bit(name, options, backend):
+    """The same reduction over gloo with CPU tensors (native kernels) and with CUDA tensors
+    (over gloo, or NCCL where each rank has a GPU): every output and residual equal bit for bit."""
     cpu = run_distributed(_reduce_bits, 2, "cpu", name, options)
-    gpu = run_distributed(_reduce_bits, 2, "cuda", name, options)
+    gpu = run_distributed(_reduce_bits, 2, "cuda", name, options, backend=backend)
     for rank in range(2):
         assert len(cpu[rank]) == len(gpu[rank])
         for k, (a, b) in enumerate(zip(cpu[rank], gpu[rank])):
@@ -190,15 +202,16 @@ def test_checkpoint_state_reloads_onto_the_gpu(tmp_path):
     torch.set_rng_state(loaded["rng"]["torch"])
 
 
-@pytest.mark.parametrize("workers, backend", [(1, "nccl"), (2, "gloo")])
+@pytest.mark.parametrize("workers, backend", [(1, "nccl"), (2, "gloo"), pytest.param(2, "nccl", marks=several_gpus)])
 def test_train_on_cuda_and_resume(tmp_path, workers, backend):
-    """Past the warm-up (residuals exist), checkpoint, resume onto the GPU, continue."""
+    """Past the warm-up (residuals exist), checkpoint, resume onto the GPU, continue (the
+    backend named: a machine with 2 GPUs would pick NCCL for 2 ranks by itself)."""
     run = str(tmp_path / "run")
     flags = ["--device", "cuda", "--workers", str(workers), "--algorithm", "compressed", *PAST_WARMUP["compressed"],
              "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
              "--checkpoint-every", "4"]
-    first = lowband_train([*flags, "--run-dir", run, "--max-steps", "4"])
+    first = lowband_train([*flags, "--run-dir", run, "--max-steps", "4"], LOWBAND_BACKEND=backend)
     assert first.returncode == 0, first.stderr
     assert f"device cuda:0, backend {backend}" in first.stdout
-    again = lowband_train([*flags, "--resume", run, "--max-steps", "8"])
+    again = lowband_train([*flags, "--resume", run, "--max-steps", "8"], LOWBAND_BACKEND=backend)
     assert again.returncode == 0, again.stderr
