@@ -22,9 +22,13 @@
 #             stream for the first two
 #   train-1   the same, 1 rank over NCCL
 #   train-N-nccl  (2 or more GPUs only) the same, one rank per GPU (up to 4) over NCCL
+#   profile   torch.profiler over steady steps of noop, ssgd, compressed and cpsgd at one rank
+#             (benchmarks/step_profile.py): where a small model's step goes on the GPU, host
+#             and device, per operator (runs last, alone)
 # versions and codecs run first, alone (codecs is a timing); the other three run side by side
 # on a machine with 8 or more cores (GPU_CHECK_PARALLEL=0 or 1 overrides), one after the other
-# otherwise: 107 s in all on a 16-core H200 machine (2026-12-04), under 8 minutes sequentially.
+# otherwise: 107 s in all on a 16-core H200 machine (2026-12-04, before the profile part was
+# added), under 8 minutes sequentially.
 # Each part's output is printed whole when it ends (in the parts' order). Without CUDA the GPU
 # parts print "skipped: no CUDA" and count as skipped, not failed. Bench results (results.json
 # of each training part) are copied to $OUT when it is set.
@@ -171,6 +175,8 @@ main() {
         if [ ${#extra[@]} -gt 0 ]; then part "${extra[0]}" 160 1 bash -c "train $nccl_ranks nccl"; fi
     fi
     show tests train-2 train-1 "${extra[@]}"
+    part profile 120 1 "$PY" benchmarks/step_profile.py --device cuda --algorithms noop,ssgd,compressed,cpsgd --top 12
+    show profile
     if [ -n "${OUT:-}" ]; then
         for b in 2w-gloo 1w-nccl "${nccl_ranks}w-nccl"; do
             if [ -f "$WORK/bench-$b/results.json" ]; then cp "$WORK/bench-$b/results.json" "$OUT/bench-$b.json"; fi
