@@ -152,7 +152,8 @@ class DDPPowerSGD(DDP):
 
 #: DDP's per-forward buffer broadcast flag: ``forward_sync_buffers`` since torch 2.13,
 #: ``broadcast_buffers`` before (the GPU image runs torch 2.11)
-_SYNC_BUFFERS_FLAG = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+_SYNC_BUFFERS_FLAG = ("forward_sync_buffers"
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
                       else "broadcast_buffers")
 
 

@@ -219,8 +219,12 @@ class BucketCodec:
 
     # -- helpers -----------------------------------------------------------------------
     def _lib(self, *tensors: torch.Tensor):
-        if self.kind is None or self._triton_on_cpu is not None or any(t is not None and (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.uint8)
-                                                       or not t.is_contiguous()) for t in tensors):
+        """The native library when every tensor is a contiguous fp32 / uint8 CPU tensor and the
+        kind has a kernel (not while a test routes CPU tensors to the Triton interpreter)."""
+        if self.kind is None or self._triton_on_cpu is not None:
+            return None
+        if any(t is not None and (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.uint8)
+                                  or not t.is_contiguous()) for t in tensors):
             return None
         return kernels.library()
 
