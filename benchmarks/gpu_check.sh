@@ -162,7 +162,7 @@ main() {
     show codecs
     if [ "$parallel" = 1 ]; then
         echo
-        echo "(tests, train-2 and train-1 run side by side; each part's output follows when all are done)"
+        echo "(tests, train-2, train-1 ${extra[*]:+and ${extra[*]} }run side by side; each part's output follows when all are done)"
         part tests 280 1 bash -c tests &
         part train-2 200 1 bash -c "train 2 gloo" &
         part train-1 150 1 bash -c "train 1 nccl" &
