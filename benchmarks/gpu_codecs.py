@@ -18,6 +18,7 @@ Exits 0 with "skipped: no CUDA" when ``--device cuda`` and torch sees no GPU.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Callable
@@ -93,13 +94,8 @@ BUCKET_CODECS = [("2bit", {"threshold": 0.01}), ("2bit", {"relative": 1.0, "scal
 def bucket_rows(dev: torch.device, chunks: int, reps: int) -> int:
     """Print one table of the fused bucket codecs on ``dev``; the number of configurations that
     failed."""
-    segments = [(name, 1) for name, _, _, _ in resnet50_layers()]
-    sizes = [1] * len(segments)
-    for k, (_, _, shape, _) in enumerate(resnet50_layers()):
-        for d in shape:
-            sizes[k] *= d
-    segments = [(name, n) for (name, _), n in zip(segments, sizes)]
-    total = sum(sizes)
+    segments = [(name, math.prod(shape)) for name, _, shape, _ in resnet50_layers()]
+    total = sum(n for _, n in segments)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(total, generator=gen).mul_(0.01).to(dev)

@@ -81,30 +81,37 @@ class BoundLocalSGD(BoundAlgorithm):
         return self.ctx.comm.all_reduce(b.buffer, op=dist.ReduceOp.AVG, async_op=True)
 
     # -- per iteration -------------------------------------------------------------------
+    def _kind(self, t: int) -> str:
+        """What step ``t`` does: ``"warmup"`` (gradients all-reduced), ``"average"`` (a local
+        step ending with a parameter average) or ``"local"``."""
+        if self._warmup.active(t):
+            return "warmup"
+        return "average" if self._averaging.fires(t) else "local"
+
     def gradients_applied_late(self) -> bool:
         """A local step changes only this rank's replica, so the engine's finiteness check is
         decided at the next ``step()``, before anything of that step is applied or sent:
         local steps pay no per-step barrier. Warm-up steps (gradients all-reduced) and steps
         that end with an average decide at once, before the NaN could reach another rank."""
-        t = self._step
-        return not self._warmup.active(t) and not self._averaging.fires(t)
+        return self._kind(self._step) == "local"
 
     def step(self) -> None:
-        if self._warmup.active(self._step):
+        kind = self._kind(self._step)
+        if kind == "warmup":
             self._average_gradients()
             self.ctx.optimizer.step()
         else:
             self.ctx.optimizer.step()
             self._in_sync = False
-            if self._averaging.fires(self._step):
+            if kind == "average":
                 self._average_parameters()
         self._step += 1
 
     def step_metrics(self) -> dict[str, Any]:
         """``warmup``: whether the step just taken was a synchronous warm-up step;
         ``averaged``: whether it ended with a parameter average."""
-        t = self._step - 1
-        return {"warmup": self._warmup.active(t), "averaged": not self._warmup.active(t) and self._averaging.fires(t)}
+        kind = self._kind(self._step - 1)
+        return {"warmup": kind == "warmup", "averaged": kind == "average"}
 
     def _average_gradients(self) -> None:
         """Synchronous SGD for a warm-up step: one all-reduce of every gradient (with the

@@ -204,6 +204,11 @@ class BucketCodec:
             raise ValueError("BucketCodec takes the inner codec; residuals are passed to encode()")
         self.codec, self.fmt, self.layout, self.name_of = codec, fmt, layout, name_of
         self.kind = fmt.kind
+        # the kernels' scalar arguments (0 where the kind has none): fixed threshold t, relative
+        # factor a, scale block (0 = one scale per chunk)
+        self.t = float(codec.threshold) if self.kind == KIND_TWOBIT else 0.0
+        self.a = float(codec.relative) if self.kind == KIND_TWOBIT_REL else 0.0
+        self.bs = int(codec.scale_block or 0) if self.kind == KIND_TWOBIT_REL else 0
         # tests: a triton_codecs module (one loaded with TRITON_INTERPRET=1) to run on CPU tensors
         self._triton_on_cpu = None
         self._ctx: dict[tuple[int, int], Ctx] = {}
@@ -275,11 +280,10 @@ class BucketCodec:
         sk = None if skip is None else skip.ctypes.data
         e = _ptr(residual)
         if self.kind == KIND_TWOBIT:
-            lib.lb_twobit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.codec.threshold, out.data_ptr())
+            lib.lb_twobit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.t, out.data_ptr())
             return
         if self.kind == KIND_TWOBIT_REL:
-            rc = lib.lb_twobit_rel_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.codec.relative,
-                                          self.codec.scale_block or 0, out.data_ptr())
+            rc = lib.lb_twobit_rel_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.a, self.bs, out.data_ptr())
         else:
             rc = lib.lb_onebit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, out.data_ptr())
         if rc != 0:
@@ -336,11 +340,8 @@ class BucketCodec:
             raise ValueError(f"decode stride {stride} must be a multiple of 4 and >= the section ({self.layout.section})")
         lib = self._lib(src, out)
         if lib is not None:
-            c = self.codec
-            t = float(c.threshold) if self.kind == KIND_TWOBIT else 0.0
-            bs = int(c.scale_block or 0) if self.kind == KIND_TWOBIT_REL else 0
             lib.lb_decode(self.kind, src.data_ptr(), stride // 4, sources, table.ctypes.data, runs.count,
-                          t, bs, int(from_zero), float(divisor), out.data_ptr())
+                          self.t, self.bs, int(from_zero), float(divisor), out.data_ptr())
             return
         tri = self._triton(src, out)
         if tri is not None:

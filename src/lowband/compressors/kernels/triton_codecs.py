@@ -349,7 +349,7 @@ class _Plan:
         self.reduce = kind != KIND_TWOBIT
         if not self.reduce:
             return
-        block = None if kind == KIND_ONEBIT else int(bc.codec.scale_block or 0)
+        block = None if kind == KIND_ONEBIT else bc.bs
         groups, rg = _groups(enc.c, block)
         rows, levels, fin, size = _levels(groups[:, 2])
         self.ngroups, self.nrows, self.size = len(groups), len(rows), max(size, 1)
@@ -432,9 +432,7 @@ def encode(bc, g: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Ten
     has_e, has_skip = residual is not None, sk is not None
     e = residual if has_e else g
     skp = sk if has_skip else plan.runs
-    t = float(bc.codec.threshold) if kind == KIND_TWOBIT else 0.0
-    a = float(bc.codec.relative) if kind == KIND_TWOBIT_REL else 0.0
-    bs = int(bc.codec.scale_block or 0) if kind == KIND_TWOBIT_REL else 0
+    t, a, bs = bc.t, bc.a, bc.bs
     if not plan.reduce:
         _launch(_encode_kernel, (plan.ntiles,), g, e, plan.runs, plan.tiles, skp, out, t, bs,
                 plan.runs, g, g, plan.runs, plan.runs, a,
@@ -473,7 +471,6 @@ def decode(bc, src: torch.Tensor, sources: int, table: np.ndarray, count: int, o
         return _to_device(table, device), _to_device(tiles, device), len(tiles)
 
     runs, tiles, ntiles = _cached(bc, ("dec", device, table.tobytes()), device, build)
-    t = float(bc.codec.threshold) if kind == KIND_TWOBIT else 0.0
-    bs = int(bc.codec.scale_block or 0) if kind == KIND_TWOBIT_REL else 0
+    t, bs = bc.t, bc.bs
     _launch(_decode_kernel, (ntiles,), src, stride // 4, sources, runs, tiles, out, t, bs, float(divisor),
             KIND=kind, FROM_ZERO=bool(from_zero), DIVIDE=float(divisor) != 1.0, BLOCK=DEC_BLOCK)
