@@ -23,9 +23,12 @@ What is predicted and what is taken from the run under test:
 * measured in the same bench run: the compute-only (`noop`) step time, which gives the
   compute scale (noop step / profile compute step: CPU contention of N workers on this
   machine's cores, and the load of the machine at the time). Each algorithm gets its own
-  `lowband bench --algorithms noop,ALG` run, so its compute scale comes from a noop run taken
-  right before it (the machine is shared and its load drifts within minutes); for `lazy`, the
-  sync interval tau, counted from the steps whose bytes exceed the non-sync steps';
+  `lowband bench --algorithms noop,ALG --repeat R` run (``run --rounds R``, default 3: noop,
+  ALG, noop, ALG, ... interleaved), so each round's compute scale comes from the noop run taken
+  right before it (the machine is shared and its load drifts within minutes), and the report
+  takes the round with the median error (one pair hit by a load spike does not decide; every
+  round's error is printed beside it); for `lazy`, the sync interval tau, counted from the
+  steps whose bytes exceed the non-sync steps';
 * predicted by the model: everything else (communication, overlap, codec cost and placement,
   pipelining, periodic steps) from the profile, the network and the algorithm's rules.
 
@@ -51,10 +54,13 @@ sys.path.insert(0, HERE)
 #: every algorithm of lowband's registry, with warm-ups short enough for ~60-step runs
 ALGORITHMS = ["noop", "ssgd", "ddp", "ddp-fp16", "ddp-powersgd", "compressed:warmup_steps=10",
               "cpsgd:warmup_steps=10", "lazy", "localsgd", "diloco", "streaming-diloco"]
-#: steps excluded before the measured window: each algorithm's warm-up (defaults: ddp-powersgd's
-#: start_powerSGD_iter 10, localsgd's warmup_steps 10) plus 3
+#: steps excluded before the measured window: the algorithm's warm-up (as its steps.jsonl logs
+#: it, ``"warmup": true``) plus ``AFTER_WARMUP``, at least ``DEFAULT_SKIP``. ``SKIP`` holds the
+#: warm-up + 3 of runs made before every warm-up was logged (2026-12-04): ddp-powersgd's
+#: start_powerSGD_iter 10, localsgd's warmup_steps 10, and the runs' warmup_steps=10
 SKIP = {"ddp-powersgd": 13, "localsgd": 13, "compressed": 13, "cpsgd": 13}
 DEFAULT_SKIP = 5
+AFTER_WARMUP = 3
 ALGO_ORDER = {a.replace(":", "-"): i for i, a in enumerate(ALGORITHMS)}
 TARGET = 0.15
 
@@ -248,6 +254,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "lowband.cli", "bench", "--algorithms", f"noop,{spec}",
                "--bandwidth", args.link, "--workers", str(args.workers), "--model", args.model,
                "--max-steps", str(args.max_steps), "--no-progress", "--out", pair]
+        if args.rounds > 1:
+            cmd += ["--repeat", str(args.rounds)]
         pair_meta = {**meta, "command": "lowband " + " ".join(cmd[3:]), "load_before": load_average()}
         digest = source_digest()
         rc = subprocess.run(cmd, env=env).returncode or rc
@@ -267,7 +275,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
     from lowband.metrics import read_jsonl
     steps = read_jsonl(os.path.join(run_dir, "steps.jsonl"))
-    window = steps[SKIP.get(name, DEFAULT_SKIP):]
+    if any("warmup" in s for s in steps):
+        warm = [i for i, s in enumerate(steps) if s.get("warmup")]
+        skip = max(DEFAULT_SKIP, (warm[-1] + 1 + AFTER_WARMUP) if warm else 0)
+    else:
+        skip = SKIP.get(name, DEFAULT_SKIP)
+    window = steps[skip:]
     keep = max(cycle, len(window) // cycle * cycle) if cycle > 1 else len(window)
     return window[-keep:]
 
@@ -314,41 +327,74 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
         cpu_s_per_byte = pr["contention"]["cpu_s_per_byte"]
         # what one synchronization costs beyond the 4-byte all-reduce the model already charges
         sync_s = max(0.0, pr["contention"]["sync_s"] - network.allreduce_s(4.0, world))
-    runs = {row["algorithm"]: os.path.join(group_dir, "runs", f"{meta['link']}-{world}w-{row['algorithm'].replace(':', '-')}")
-            for row in results["rows"]}
-    noop_steps = steady_steps(runs["noop"], "noop", 1)
-    noop_s = robust_step(noop_steps, 1)
-    scale = noop_s / profile.compute_s
-    for spec, run_dir in runs.items():
-        name, opts = parse_algorithm(spec)
-        if name not in MODELS or name == "noop":
+    rounds = pair_rounds(group_dir, results, meta["link"], world)
+    for spec in [a for a in rounds[0] if a != "noop"]:
+        name, _ = parse_algorithm(spec)
+        if name not in MODELS:
             continue
-        extra = ""
-        cycle = max(1, int(math.ceil(MODELS[name].cycle(opts))))
-        steps = steady_steps(run_dir, name, cycle)
-        if name == "lazy":
-            tau, syncs = measured_tau(steps)
-            opts["tau"] = tau
-            extra = f"tau {tau:.1f} ({syncs} syncs in {len(steps)} steps)"
-            cycle = max(1, int(math.ceil(tau)))
-            steps = steady_steps(run_dir, name, cycle)
-        # lazy: tau varies within the run, so its blocks would not hold one sync each: plain mean
-        robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
-        mean = statistics.mean(s["step_s"] for s in steps)
-        est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
-                                                    comm_cpu_s_per_byte=cpu_s_per_byte, sync_s=sync_s))
-        # without the noop calibration: contention assumed = workers per core (at least 1)
-        raw = estimate(profile, name, opts, Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
+        per_round = []
+        for runs in rounds:     # each round: the noop run just before gives the compute scale
+            if spec not in runs or "noop" not in runs:
+                continue
+            _, opts = parse_algorithm(spec)
+            scale = robust_step(steady_steps(runs["noop"], "noop", 1), 1) / profile.compute_s
+            extra = ""
+            cycle = max(1, int(math.ceil(MODELS[name].cycle(opts))))
+            steps = steady_steps(runs[spec], name, cycle)
+            if name == "lazy":
+                tau, syncs = measured_tau(steps)
+                opts["tau"] = tau
+                extra = f"tau {tau:.1f} ({syncs} syncs in {len(steps)} steps)"
+                cycle = max(1, int(math.ceil(tau)))
+                steps = steady_steps(runs[spec], name, cycle)
+            # lazy: tau varies within the run, so its blocks would not hold one sync each: plain mean
+            robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
+            est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
+                                                        comm_cpu_s_per_byte=cpu_s_per_byte, sync_s=sync_s))
+            # without the noop calibration: contention assumed = workers per core (at least 1)
+            raw = estimate(profile, name, opts,
+                           Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
+            per_round.append({"robust": robust, "mean": statistics.mean(s["step_s"] for s in steps),
+                              "est": est, "raw": raw, "scale": scale, "note": extra,
+                              "mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6})
+        if not per_round:
+            continue
+        # interleaved rounds (noop, ALG, noop, ALG, ...), each an independent pair: the reported
+        # numbers are the median round's by error (the mean of the two middle ones for an even
+        # count), so one round hit by the shared machine's drift does not decide; every round's
+        # own error is kept beside
+        ranked = sorted(per_round, key=lambda x: x["est"].step_s / x["robust"])
+        middle = ranked[(len(ranked) - 1) // 2: len(ranked) // 2 + 1]
+        avg = lambda f: statistics.mean(f(x) for x in middle)   # noqa: E731
+        measured, predicted = avg(lambda x: x["robust"]), avg(lambda x: x["est"].step_s)
         rows_out.append({
-            "link": meta["link"], "workers": world, "algorithm": spec, "measured_ms": 1e3 * robust,
-            "mean_ms": 1e3 * mean, "predicted_ms": 1e3 * est.step_s, "error": est.step_s / robust - 1,
-            "predicted_exposed_ms": 1e3 * est.exposed_s, "predicted_mb": est.bytes_sent / 1e6,
-            "measured_mb": statistics.mean(s["bytes_sent"] for s in steps) / 1e6, "scale": scale,
-            "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"], "note": extra,
+            "link": meta["link"], "workers": world, "algorithm": spec, "measured_ms": 1e3 * measured,
+            "mean_ms": 1e3 * avg(lambda x: x["mean"]), "predicted_ms": 1e3 * predicted,
+            "error": predicted / measured - 1,
+            "round_errors": [x["est"].step_s / x["robust"] - 1 for x in per_round],
+            "predicted_exposed_ms": 1e3 * avg(lambda x: x["est"].exposed_s),
+            "predicted_mb": avg(lambda x: x["est"].bytes_sent) / 1e6,
+            "measured_mb": avg(lambda x: x["mb"]), "scale": avg(lambda x: x["scale"]),
+            "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"],
+            "note": "; ".join(dict.fromkeys(x["note"] for x in per_round if x["note"])),
             "cpu_ns_per_byte": 1e9 * cpu_s_per_byte, "sync_ms": 1e3 * sync_s,
             "contention": bool(contention and "contention" in pr), "burst_bytes": burst_bytes,
             "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
-            "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * raw.step_s})
+            "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * avg(lambda x: x["raw"].step_s)})
+
+
+def pair_rounds(group_dir: str, results: dict, link: str, world: int) -> list[dict[str, str]]:
+    """The run directories of one pair's bench, per round: ``[{algorithm: run_dir}, ...]``
+    (one round for a bench without ``--repeat``; with it, the bench ran noop, ALG, noop, ALG,
+    ... and ``all_runs`` lists every run with its round)."""
+    rows = results.get("all_runs") or results["rows"]
+    rounds: dict[int, dict[str, str]] = {}
+    repeated = "all_runs" in results
+    for row in rows:
+        spec, r = row["algorithm"], int(row.get("repeat", 1))
+        name = f"{link}-{world}w-{spec.replace(':', '-')}" + (f"-r{r}" if repeated else "")
+        rounds.setdefault(r, {})[spec] = os.path.join(group_dir, "runs", name)
+    return [rounds[r] for r in sorted(rounds)]
 
 
 def render(rows: list[dict], profile_name: str, profile) -> str:
@@ -377,18 +423,22 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
         "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency, "
         f"gloo CPU cost per byte and synchronization cost per collective ({cost}), {bucket}, and the compute scale "
-        "from the noop run just before; error = predicted / "
-        "measured - 1; load = load averages before / after the pair (the machine was shared).",
+        "from the noop run just before; with interleaved rounds (noop, ALG, noop, ALG, ...: `run --rounds`), each "
+        "round predicted with its own noop run, the row is the round with the median error (the mean of the two "
+        "middle rounds for an even count); error = predicted / measured - 1; rounds = every round's own error, in "
+        "round order; load = load averages before / after the pair (the machine was shared).",
         "",
         "| link | workers | algorithm | measured ms | mean ms | predicted ms | error | predicted exposed ms | "
-        "MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | sync ms | load | note |",
-        "|" + "---|" * 17,
+        "rounds | MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | "
+        "sync ms | load | note |",
+        "|" + "---|" * 18,
     ]
     for r in rows:
         flag = "" if abs(r["error"]) <= TARGET else " **miss**"
         lines.append(
             f"| {r['link']} | {r['workers']} | {r['algorithm']} | {r['measured_ms']:.1f} | {r['mean_ms']:.1f} | "
             f"{r['predicted_ms']:.1f} | {r['error']:+.1%}{flag} | {r['predicted_exposed_ms']:.1f} | "
+            f"{', '.join(f'{e:+.0%}' for e in r.get('round_errors', [r['error']]))} | "
             f"{r['measured_mb']:.3f} | {r['predicted_mb']:.3f} | {r['scale']:.2f} | {r['latency_us']:.0f} | "
             f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r.get('sync_ms', 0.0):.2f} | {r['load'].split(' / ')[0].split()[0]} / "
             f"{r['load'].split(' / ')[1].split()[0]} | {r['note']} |")
@@ -435,6 +485,9 @@ def main(argv=None) -> int:
     r.add_argument("--out", default="runs/validate")
     r.add_argument("--model", default="cnn")
     r.add_argument("--max-steps", type=int, default=40)
+    r.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of each noop,ALG pair (bench --repeat); the report takes the round with "
+                        "the median error, so one pair hit by the machine's drift does not decide (default: %(default)s)")
     r.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p = sub.add_parser("report", help="predict every run and compare")
     p.add_argument("--out", default="runs/validate")
