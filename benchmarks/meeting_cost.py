@@ -21,10 +21,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import run_ranks
 
 
-def worker(rank: int, world: int, blocks: list[float], rounds: int, seconds: float, port: int, queue) -> None:
+def worker(rank: int, world: int, port: int, blocks: list[float], rounds: int, seconds: float, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -54,8 +55,8 @@ def worker(rank: int, world: int, blocks: list[float], rounds: int, seconds: flo
         w0 = time.perf_counter()
         dist.all_reduce(flag)
         idle.append(time.perf_counter() - w0)
-    queue.put((rank, {ms: (statistics.mean(w), statistics.median(w)) for ms, w in waits.items()},
-               statistics.median(idle)))
+    queue.put((rank, ({ms: (statistics.mean(w), statistics.median(w)) for ms, w in waits.items()},
+                      statistics.median(idle))))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -66,18 +67,10 @@ def main() -> None:
     ap.add_argument("--blocks", default="5,15,40,80", help="compute span before each all-reduce, ms (comma-separated)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=0.6, help="compute per block size and round")
-    ap.add_argument("--port", type=int, default=29641)
     args = ap.parse_args()
     blocks = [float(x) for x in args.blocks.split(",") if x.strip()]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.workers, blocks, args.rounds, args.seconds, args.port, queue))
-             for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
+    results = [(r, w, i) for r, (w, i) in sorted(run_ranks(worker, args.workers, blocks, args.rounds,
+                                                               args.seconds).items())]
     print(f"4-byte all_reduce after a compute block, {args.workers} ranks, loopback, {args.rounds} rounds "
           "(ms per all_reduce: mean / median per rank; sum of the ranks' means):")
     print("| block ms | " + " | ".join(f"rank {r}" for r, *_ in results) + " | sum of means |")

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import run_ranks
 
 PHASES = ["entry -> all_reduce 1 launched", "P = MQ (hook returns)", "all_reduce 1 (uncompressed)",
           "unpack (callback)", "all_reduce 2 (P)", "Q = M^T P (callback)", "all_reduce 3 (Q)",
@@ -39,7 +39,7 @@ def phases(ev: dict) -> list[float]:
             ev["done"] - d3, ev["done"] - ev["entry"], ev["step"]]
 
 
-def worker(rank: int, world: int, steps: int, skip: int, port: int, queue) -> None:
+def worker(rank: int, world: int, port: int, steps: int, skip: int, queue) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from lowband.models import make_model
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -86,8 +86,7 @@ def worker(rank: int, world: int, steps: int, skip: int, port: int, queue) -> No
         if s >= skip and len(ev["ar"]) >= 3 and all(d is not None for _, d in ev["ar"]):
             rows.append(phases(ev))
     dist.barrier()
-    queue.put((rank, [statistics.median(r[i] for r in rows) for i in range(len(PHASES))], len(rows),
-               sorted({t.name for t in threading.enumerate()})))
+    queue.put((rank, [statistics.median(r[i] for r in rows) for i in range(len(PHASES))]))
     dist.destroy_process_group()
 
 
@@ -96,23 +95,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--skip", type=int, default=10, help="steps left out first (DDP's rebuild, the hook's warm-up)")
-    ap.add_argument("--port", type=int, default=29633)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.workers, args.steps, args.skip, args.port, queue))
-             for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
+    results = sorted(run_ranks(worker, args.workers, args.steps, args.skip).items())
     print(f"powerSGD_hook at {args.workers} ranks, loopback, cnn (medians of ms per step over steps "
           f"{args.skip}..{args.steps - 1}):")
-    print(f"| phase | " + " | ".join(f"rank {r}" for r, *_ in results) + " |")
+    print("| phase | " + " | ".join(f"rank {r}" for r, _ in results) + " |")
     print("|---|" + "---:|" * len(results))
     for i, name in enumerate(PHASES):
-        print(f"| {name} | " + " | ".join(f"{1e3 * med[i]:.2f}" for _, med, *_ in results) + " |")
+        print(f"| {name} | " + " | ".join(f"{1e3 * med[i]:.2f}" for _, med in results) + " |")
 
 
 if __name__ == "__main__":
