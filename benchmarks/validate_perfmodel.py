@@ -387,9 +387,9 @@ def pair_rounds(group_dir: str, results: dict, link: str, world: int) -> list[di
     """The run directories of one pair's bench, per round: ``[{algorithm: run_dir}, ...]``
     (one round for a bench without ``--repeat``; with it, the bench ran noop, ALG, noop, ALG,
     ... and ``all_runs`` lists every run with its round)."""
-    rows = results.get("all_runs") or results["rows"]
+    repeated = bool(results.get("all_runs"))
+    rows = results["all_runs"] if repeated else results["rows"]
     rounds: dict[int, dict[str, str]] = {}
-    repeated = "all_runs" in results
     for row in rows:
         spec, r = row["algorithm"], int(row.get("repeat", 1))
         name = f"{link}-{world}w-{spec.replace(':', '-')}" + (f"-r{r}" if repeated else "")

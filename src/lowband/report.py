@@ -12,7 +12,6 @@ from .metrics import format_table
 DEFAULT_SECTION = "bench"
 
 
-
 def _legend(ax, **kw) -> None:
     """A legend where the axes drew something labelled (a run with only ``noop``, or only
     loopback rows, draws nothing there; matplotlib would warn)."""
