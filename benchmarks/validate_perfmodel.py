@@ -17,7 +17,12 @@ What is predicted and what is taken from the run under test:
   the link's traffic takes per byte sent (``comm_cpu_s_per_byte``) and the wall time one
   synchronization costs beyond a 4-byte all-reduce's latency (``sync_s``, charged once per
   collective); ``report --idle-cpu-probe`` uses instead the per-byte CPU time of an all-reduce
-  on an idle machine and no synchronization cost (the model before 2026-12-02);
+  on an idle machine and no synchronization cost (the model before 2026-12-02); and, with the
+  model's own training step on every rank (the step probe, ``step_sync_worker``), two 4-byte
+  all-reduces after each backward, each timed on every rank: the first gives the least time of
+  the collective that ends a step (``step_sync_s``: the later rank's arrival after a whole
+  step), the second what a tiny collective right behind another costs (``exchange_s``, charged
+  for the engine's finiteness exchange); ``report --no-step-sync`` predicts without them;
 * known from the link's set-up: tc tbf's bucket depth (``lowband.netem.auto_burst`` of the
   rate, the default every bench run uses; ``--no-burst`` predicts with a plain rate limit);
 * measured in the same bench run: the compute-only (`noop`) step time, which gives the
@@ -46,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
@@ -194,6 +200,51 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
     dist.destroy_process_group()
 
 
+def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
+    """One rank of the step-meeting probe, on the emulated link: ``rounds`` x ``steps``
+    training steps of the validated model (forward, backward, an SGD step, on one random batch
+    of 64), each with two 4-byte all-reduces right after backward, every call timed on every
+    rank. The first is what a latency-bound collective costs right after a whole training
+    step: its latency, waking the waiting thread, and waiting for the later rank (a step's
+    compute varies from rank to rank by more than the contention probe's uniform 15 ms matmul
+    blocks do); averaged over the ranks, that is what the slowest rank adds to a synchronous
+    step beyond the mean rank's compute (what the noop run measures). The second, right behind
+    the first, is what a collective costs when the ranks have just met (the engine's finiteness
+    exchange after a synchronous algorithm's last collective, a hook's chained all-reduces).
+    Timed inside one loop, so the machine's drift between loops does not enter."""
+    import torch
+    import torch.distributed as dist
+    from lowband.models import make_model
+    from lowband.perf.profile import example_batch
+    from lowband.tasks import loss
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = make_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = example_batch(model_name, model, 64)
+    flag = torch.zeros(1)
+    out = {"steps": steps, "first": [], "second": []}
+    for r in range(rounds + 1):           # round 0 warms up
+        dist.barrier()
+        first, second = [], []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss(model(x), y).backward()
+            t0 = time.perf_counter()
+            dist.all_reduce(flag)
+            t1 = time.perf_counter()
+            dist.all_reduce(flag)
+            second.append(time.perf_counter() - t1)
+            first.append(t1 - t0)
+            opt.step()
+        if r:
+            out["first"].append(first)
+            out["second"].append(second)
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
 def probe_contention(link: str, world: int, rounds: int = 5) -> dict:
     """``comm_cpu_s_per_byte`` and ``sync_s`` measured beside compute (:func:`contention_worker`):
     medians over ranks and rounds of each round's difference."""
@@ -204,6 +255,15 @@ def probe_contention(link: str, world: int, rounds: int = 5) -> dict:
     return {"cpu_s_per_byte": max(0.0, statistics.median(lost)), "sync_s": max(0.0, statistics.median(sync)),
             "comm_within_loop": all(c <= b for o in outs for c, b in zip(o["comm_s"], o["beside"])),
             "ranks": outs}
+
+
+def probe_step_sync(link: str, world: int, model: str, rounds: int = 4, steps: int = 30) -> dict:
+    """``step_sync_s`` and ``met_again_s`` (:func:`step_sync_worker`): per round, the mean over
+    ranks of each rank's mean time in the first (second) all-reduce; the median round."""
+    outs = _probe_ranks(link, world, ["probe-step-sync-worker", model, str(rounds), str(steps)])
+    def per_round(key: str) -> float:      # each round: the mean over ranks of each rank's mean call
+        return statistics.median(statistics.mean(statistics.mean(o[key][i]) for o in outs) for i in range(rounds))
+    return {"step_sync_s": per_round("first"), "met_again_s": per_round("second"), "model": model, "ranks": outs}
 
 
 def _probe_ranks(link: str, world: int, argv: list[str]) -> list[dict]:
@@ -226,8 +286,9 @@ def probe_allreduce(link: str, world: int, size: int, iters: int) -> dict:
     return {"wall_s": wall, "cpu_s": cpu}
 
 
-def probe(link: str, world: int) -> dict:
-    """Per-message latency, bulk efficiency and gloo's CPU seconds per byte on the emulated link."""
+def probe(link: str, world: int, model: str = "cnn") -> dict:
+    """Per-message latency, bulk efficiency and gloo's CPU seconds per byte on the emulated link;
+    the meeting costs beside compute (15 ms matmul blocks, and a whole step of ``model``)."""
     from lowband.collectives.wire import allreduce_bytes
     from lowband.netem import parse_rate
     small = probe_allreduce(link, world, 64, 40)
@@ -237,7 +298,7 @@ def probe(link: str, world: int) -> dict:
     return {"latency_s": small["wall_s"] / (2 * (world - 1)),
             "efficiency": min(1.0, wire * 8 / big["wall_s"] / parse_rate(link)),
             "cpu_s_per_byte": big["cpu_s"] / wire, "small": small, "big": big,
-            "contention": probe_contention(link, world)}
+            "contention": probe_contention(link, world), "step_sync": probe_step_sync(link, world, model)}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -246,7 +307,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     meta = {"link": args.link, "workers": args.workers, "commit": git_commit(), "load_before": load_average(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "max_steps": args.max_steps}
     print(f"[{args.link} x{args.workers}] link probe", file=sys.stderr, flush=True)
-    meta["probe"] = probe(args.link, args.workers)
+    meta["probe"] = probe(args.link, args.workers, args.model)
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
     rc = 0
     for spec in [a for a in args.algorithms.split(",") if a and a != "noop"]:
@@ -302,10 +363,11 @@ def measured_tau(steps: list[dict]) -> tuple[float, int]:
 
 
 def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, burst: bool = True,
-                 contention: bool = True) -> None:
+                 contention: bool = True, step_sync: bool = True) -> None:
     """Predict one ``noop,ALG`` pair. ``contention``: take gloo's CPU cost per byte and the
     per-collective synchronization cost from the probe beside compute (when the run has it),
-    not the per-byte CPU time of an all-reduce with nothing else running."""
+    not the per-byte CPU time of an all-reduce with nothing else running. ``step_sync``: the
+    least time of the collective that ends a step from the step probe (when the run has it)."""
     from lowband.perf.model import MODELS, Cluster, estimate
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
@@ -327,6 +389,10 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
         cpu_s_per_byte = pr["contention"]["cpu_s_per_byte"]
         # what one synchronization costs beyond the 4-byte all-reduce the model already charges
         sync_s = max(0.0, pr["contention"]["sync_s"] - network.allreduce_s(4.0, world))
+    stepped = step_sync and "step_sync" in pr
+    step_sync_s = pr["step_sync"]["step_sync_s"] if stepped else 0.0
+    # the engine's finiteness exchange: a tiny all-reduce right behind another, as the probe timed it
+    exchange_s = pr["step_sync"].get("met_again_s") if stepped else None
     rounds = pair_rounds(group_dir, results, meta["link"], world)
     for spec in [a for a in rounds[0] if a != "noop"]:
         name, _ = parse_algorithm(spec)
@@ -350,7 +416,8 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             # lazy: tau varies within the run, so its blocks would not hold one sync each: plain mean
             robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
             est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
-                                                        comm_cpu_s_per_byte=cpu_s_per_byte, sync_s=sync_s))
+                                                        comm_cpu_s_per_byte=cpu_s_per_byte, sync_s=sync_s,
+                                                        step_sync_s=step_sync_s, exchange_s=exchange_s))
             # without the noop calibration: contention assumed = workers per core (at least 1)
             raw = estimate(profile, name, opts,
                            Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
@@ -377,7 +444,8 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             "measured_mb": avg(lambda x: x["mb"]), "scale": avg(lambda x: x["scale"]),
             "latency_us": 1e6 * pr["latency_s"], "efficiency": pr["efficiency"],
             "note": "; ".join(dict.fromkeys(x["note"] for x in middle if x["note"])),
-            "cpu_ns_per_byte": 1e9 * cpu_s_per_byte, "sync_ms": 1e3 * sync_s,
+            "cpu_ns_per_byte": 1e9 * cpu_s_per_byte, "sync_ms": 1e3 * sync_s, "step_sync_ms": 1e3 * step_sync_s,
+            "exchange_ms": None if exchange_s is None else 1e3 * exchange_s,
             "contention": bool(contention and "contention" in pr), "burst_bytes": burst_bytes,
             "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
             "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * avg(lambda x: x["raw"].step_s)})
@@ -397,6 +465,10 @@ def pair_rounds(group_dir: str, results: dict, link: str, world: int) -> list[di
     return [rounds[r] for r in sorted(rounds)]
 
 
+def _ms(value: Optional[float]) -> str:
+    return "net" if value is None else f"{value:.2f}"
+
+
 def render(rows: list[dict], profile_name: str, profile) -> str:
     within = sum(1 for r in rows if abs(r["error"]) <= TARGET)
     by_commit: dict[str, set] = {}
@@ -411,6 +483,11 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         "a plain rate limit (no tbf bucket: `--no-burst`)"
     cost = ("measured beside compute: the contention probe" if any(r.get("contention") for r in rows)
             else "per-byte CPU of an all-reduce on an idle machine; no synchronization cost")
+    stepsync = ("the least time of the collective that ends a step (step sync) and the cost of the engine's "
+                "finiteness exchange (exchange), both from the step probe (two 4-byte all-reduces after each of the "
+                "model's own training steps, each timed on every rank)" if any(r.get("step_sync_ms") for r in rows)
+                else "no step-end meeting cost and the finiteness exchange at the network's all-reduce time "
+                     "(`net`: runs without the step probe, or `--no-step-sync`)")
     lines = [
         f"Profile: `{profile_name}` ({profile.source}; {profile.machine}; {profile.date}).",
         f"Runs, by the commit each algorithm's pairs ran on: {commits}; "
@@ -422,7 +499,7 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd, the "
         "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
         "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency, "
-        f"gloo CPU cost per byte and synchronization cost per collective ({cost}), {bucket}, and the compute scale "
+        f"gloo CPU cost per byte and synchronization cost per collective ({cost}), {stepsync}, {bucket}, and the compute scale "
         "from the noop run just before; with interleaved rounds (noop, ALG, noop, ALG, ...: `run --rounds`), each "
         "round predicted with its own noop run, the row is the round with the median error (the mean of the two "
         "middle rounds for an even count); error = predicted / measured - 1; rounds = every round's own error, in "
@@ -430,8 +507,8 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         "",
         "| link | workers | algorithm | measured ms | mean ms | predicted ms | error | predicted exposed ms | "
         "rounds | MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | "
-        "sync ms | load | note |",
-        "|" + "---|" * 18,
+        "sync ms | step sync ms | exchange ms | load | note |",
+        "|" + "---|" * 20,
     ]
     for r in rows:
         flag = "" if abs(r["error"]) <= TARGET else " **miss**"
@@ -440,7 +517,7 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
             f"{r['predicted_ms']:.1f} | {r['error']:+.1%}{flag} | {r['predicted_exposed_ms']:.1f} | "
             f"{', '.join(f'{e:+.0%}' for e in r.get('round_errors', [r['error']]))} | "
             f"{r['measured_mb']:.3f} | {r['predicted_mb']:.3f} | {r['scale']:.2f} | {r['latency_us']:.0f} | "
-            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r.get('sync_ms', 0.0):.2f} | {r['load'].split(' / ')[0].split()[0]} / "
+            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r.get('sync_ms', 0.0):.2f} | {r.get('step_sync_ms', 0.0):.2f} | {_ms(r.get('exchange_ms'))} | {r['load'].split(' / ')[0].split()[0]} / "
             f"{r['load'].split(' / ')[1].split()[0]} | {r['note']} |")
     return "\n".join(lines)
 
@@ -463,7 +540,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                         print(f"{pair}: src/ changed during its run; skipped", file=sys.stderr)
                         continue
                 predict_pair(pair, profile, rows, None if args.latency is None else parse_latency(args.latency),
-                             burst=not args.no_burst, contention=not args.idle_cpu_probe)
+                             burst=not args.no_burst, contention=not args.idle_cpu_probe,
+                             step_sync=not args.no_step_sync)
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
         return 2
@@ -498,10 +576,16 @@ def main(argv=None) -> int:
     p.add_argument("--idle-cpu-probe", action="store_true",
                    help="charge gloo's CPU per byte as an all-reduce on an idle machine costs, and no synchronization "
                         "cost (the model before 2026-12-02's contention probe)")
+    p.add_argument("--no-step-sync", action="store_true",
+                   help="predict without the step probe: no step-end meeting cost, and the finiteness exchange "
+                        "at the network's all-reduce time")
     p.add_argument("--no-burst", action="store_true",
                    help="predict with a plain rate limit, without the links' tbf bucket (the model before 2026-12-02)")
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-worker":
         probe_worker(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
+    if argv is None and len(sys.argv) == 5 and sys.argv[1] == "probe-step-sync-worker":
+        step_sync_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return 0
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "probe-contention-worker":
         contention_worker(int(sys.argv[2]), int(sys.argv[3]))

@@ -32,11 +32,12 @@ def test_one_bucket_ring_allreduce_closed_form():
     for n in (2, 3, 8, 64):
         expected = 2 * (n - 1) / n * nbytes * 8 / (10 * GBIT) + 2 * (n - 1) * lat
         assert net.allreduce_s(nbytes, n) == pytest.approx(expected)
-    # the same through the step model: one parameter, one bucket, nothing to overlap with
+    # the same through the step model: one parameter, one bucket, nothing to overlap with (and
+    # no finiteness exchange: the engine's check, a collective of its own, is tested below)
     numel = 2_000_000
     prof = make_profile([numel], [0.0], forward=0.0, optimizer=0.0)
     for n in (2, 8):
-        est = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(n, net))
+        est = estimate(prof, "ssgd", {"bucket_mb": 64, "nonfinite": "off"}, Cluster(n, net))
         bucket = 4 * numel + 4                      # gradients + one had-a-gradient flag
         assert est.step_s == pytest.approx(net.allreduce_s(bucket, n))
         assert est.bytes_sent == pytest.approx(wire.allreduce_bytes(bucket, n))
@@ -78,9 +79,10 @@ def test_overlap_never_slower_than_compute_and_never_slower_than_no_overlap(seed
     prof = make_profile(sizes, [rng.uniform(0, 0.01) for _ in range(k)])
     net = Network(rng.choice([0.05, 1, 10]) * GBIT, rng.choice([0, 1e-5, 1e-3]))
     n = rng.choice([2, 4, 32])
-    on = estimate(prof, "ssgd", {"bucket_mb": rng.choice([0.1, 1, 25])}, Cluster(n, net))
-    off = estimate(prof, "ssgd", {"bucket_mb": 1, "overlap": False}, Cluster(n, net))
-    on1 = estimate(prof, "ssgd", {"bucket_mb": 1}, Cluster(n, net))
+    unchecked = {"nonfinite": "off"}         # the closed form below has no finiteness exchange
+    on = estimate(prof, "ssgd", {"bucket_mb": rng.choice([0.1, 1, 25]), **unchecked}, Cluster(n, net))
+    off = estimate(prof, "ssgd", {"bucket_mb": 1, "overlap": False, **unchecked}, Cluster(n, net))
+    on1 = estimate(prof, "ssgd", {"bucket_mb": 1, **unchecked}, Cluster(n, net))
     assert on.step_s >= prof.compute_s - 1e-12
     assert on1.step_s <= off.step_s + 1e-12
     # without overlap the step is compute plus every bucket's all-reduce, back to back
@@ -444,6 +446,68 @@ def test_synchronization_cost_is_paid_once_per_collective_and_only_where_exposed
         Cluster(2, net, sync_s=-1.0)
 
 
+def test_the_collective_that_ends_a_step_waits_for_the_later_rank_unless_its_bytes_take_longer():
+    """``step_sync_s``: the collective launched as backward ends completes no earlier than
+    that long after its launch. A latency-bound one shows it whole; a bandwidth-bound one
+    absorbs it; one worker has nobody to wait for; it never makes a step faster."""
+    net, lag = Network(10 * GBIT, 5e-6), 4e-3
+    small = make_profile([1000], [0.01], forward=0.005, optimizer=0.001)
+    met = estimate(small, "ssgd", {"bucket_mb": 64}, Cluster(2, net, step_sync_s=lag))
+    assert met.step_s == pytest.approx(0.005 + 0.01 + lag + 0.001)
+    assert estimate(small, "ssgd", {"bucket_mb": 64}, Cluster(1, net, step_sync_s=lag)).step_s == \
+        pytest.approx(small.compute_s)
+    big = make_profile([20_000_000], [0.01], forward=0.005, optimizer=0.001)     # 80 MB: 128 ms at 10 Gbit
+    assert estimate(big, "ssgd", {"bucket_mb": 128}, Cluster(2, net, step_sync_s=lag)).step_s == \
+        pytest.approx(estimate(big, "ssgd", {"bucket_mb": 128}, Cluster(2, net)).step_s)
+    # PowerSGD's chain starts with the uncompressed tensors' all-reduce: on a free network with
+    # free phases the step is compute plus the lag, and P's all-reduce waits for it
+    import dataclasses
+    hook = make_profile([2048, 8], [0.01, 0.0], forward=0.005, optimizer=0.001)
+    hook.params[0] = dataclasses.replace(hook.params[0], shape=[64, 32])
+    hook = dataclasses.replace(hook, powersgd_hook_s={"2": [0.0, 0.0, 0.0]})
+    free = Network(1e15, 0.0)
+    assert estimate(hook, "ddp-powersgd", {}, Cluster(2, free, step_sync_s=lag)).step_s == \
+        pytest.approx(hook.compute_s + lag)
+    # every per-step algorithm: never faster with the lag, and a small model shows it
+    import dataclasses as dc
+    coded = make_profile([1000, 8], [0.01, 0.0], forward=0.005, optimizer=0.001, codec=_codec())
+    coded = dc.replace(coded, codecs={**coded.codecs, "fp16": CodecInfo(encode_gbps=1.0, decode_gbps=1.0,
+                                                                        payload_ratio=0.5)},
+                       powersgd_hook_s={"2": [1e-4, 1e-4, 1e-4]})
+    for name in ("ssgd", "ddp", "ddp-fp16", "ddp-powersgd", "lazy", "compressed", "cpsgd"):
+        plain = estimate(coded, name, {}, Cluster(2, net)).step_s
+        lagged = estimate(coded, name, {}, Cluster(2, net, step_sync_s=lag)).step_s
+        assert lagged >= plain - 1e-12, name
+        if name != "cpsgd":            # CP-SGD's step t meets while step t+1 computes: hidden here
+            assert lagged > plain, name
+    assert estimate(coded, "cpsgd", {}, Cluster(2, net, step_sync_s=lag)).step_s == \
+        pytest.approx(estimate(coded, "cpsgd", {}, Cluster(2, net)).step_s)
+    with pytest.raises(ValueError, match="step_sync_s"):
+        Cluster(2, net, step_sync_s=-1.0)
+
+
+def test_synchronous_algorithms_pay_the_engines_finiteness_exchange():
+    """Under ``nonfinite="raise"`` (the default) a synchronous algorithm's step has one more
+    collective, the engine's check (an int64 per rank), before the optimizer: after DDP's
+    reduction (inside backward), beside S-SGD's in-flight buckets. Algorithms that defer the
+    check (localsgd, noop) or carry it in their messages (compressed, cpsgd) do not pay it."""
+    net = Network(10 * GBIT, 1e-4)
+    prof = make_profile([1000], [0.01], forward=0.005, optimizer=0.001, codec=_codec())
+    tiny = net.allreduce_s(8 * 2, 2)
+    for name in ("ssgd", "ddp", "lazy"):
+        off = estimate(prof, name, {"nonfinite": "off"}, Cluster(2, net)).step_s
+        assert estimate(prof, name, {}, Cluster(2, net)).step_s == pytest.approx(off + tiny), name
+        assert estimate(prof, name, {"nonfinite": "skip"}, Cluster(2, net)).step_s == pytest.approx(off + tiny)
+        # a measured cost replaces the network's
+        assert estimate(prof, name, {}, Cluster(2, net, exchange_s=0.004)).step_s == pytest.approx(off + 0.004)
+        assert estimate(prof, name, {}, Cluster(1, net)).step_s == pytest.approx(prof.compute_s)
+    for name in ("noop", "localsgd", "compressed", "cpsgd"):
+        assert estimate(prof, name, {}, Cluster(2, net, exchange_s=0.004)).step_s == \
+            pytest.approx(estimate(prof, name, {"nonfinite": "off"}, Cluster(2, net)).step_s), name
+    with pytest.raises(ValueError, match="exchange_s"):
+        Cluster(2, net, exchange_s=-1.0)
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--model", "vgg99", "--out", "x.json"], "unknown model 'vgg99'"),
     (["--model", "cnn", "--out", "x.json", "--codecs", "3bit"], "unknown compressor(s) ['3bit']"),
@@ -494,8 +558,8 @@ def test_the_step_model_applies_the_links_bucket_and_zero_burst_is_the_plain_rat
     numel = 30_000                               # a 120 KB gradient: bigger than the bucket
     prof = make_profile([numel], [0.02], forward=0.01, optimizer=0.0)
     plain, tbf = Network(50e6, 1e-4), Network(50e6, 1e-4, burst_bytes=96 * 1024)
-    est0 = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(2, plain))
-    est1 = estimate(prof, "ssgd", {"bucket_mb": 64}, Cluster(2, tbf))
+    est0 = estimate(prof, "ssgd", {"bucket_mb": 64, "nonfinite": "off"}, Cluster(2, plain))
+    est1 = estimate(prof, "ssgd", {"bucket_mb": 64, "nonfinite": "off"}, Cluster(2, tbf))
     bucket = 4 * numel + 4
     wire_bytes = wire.allreduce_bytes(bucket, 2)
     assert est0.step_s == pytest.approx(0.03 + plain.allreduce_s(bucket, 2))
@@ -513,7 +577,7 @@ def test_measured_profile_records_the_lazy_updates_default_set(model_name, tmp_p
     projection as the probe (registered after conv2, so the registration rule would miss it)."""
     from lowband.algorithms.lazy import ForwardOrder, LazyPlan, input_side_layers
     from lowband.models import make_model
-    from lowband.perf.profile import measure_compute, _example_batch
+    from lowband.perf.profile import measure_compute, example_batch
     c = measure_compute(model_name, batch_size=2, reps=1, warmup=0)
     prof = make_profile([p.numel for p in c["params"]], [0.0] * len(c["params"]))
     prof.params, prof.lazy_default = c["params"], c["lazy_default"]
@@ -523,7 +587,7 @@ def test_measured_profile_records_the_lazy_updates_default_set(model_name, tmp_p
     lazy, probe = lazy_split(prof, None)
     model = make_model(model_name)
     recorder = ForwardOrder(input_side_layers(model))
-    model(_example_batch(model_name, model, 2)[0])
+    model(example_batch(model_name, model, 2)[0])
     params = [p for p in model.parameters() if p.requires_grad]
     plan = LazyPlan.build(model, params, recorder.order, None)
     assert lazy == plan.indices and probe == plan.slices[-1]

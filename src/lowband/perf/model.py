@@ -73,6 +73,18 @@ class Cluster:
             the ranks must meet: the slower rank's lag, waking a waiting thread on a busy
             processor. It lengthens each collective on the link (so it is exposed only where
             the collective is). 0 (default): ranks meet instantly.
+        step_sync_s: the least time, from this rank's launch, in which the collective that ends
+            a step (launched as backward ends; the optimizer waits for it) completes: the later
+            rank's arrival after a whole training step, plus a small all-reduce. A step's
+            compute varies from rank to rank and from step to step (by a few ms on a shared
+            2-core machine), and a synchronous step ends when the slowest rank's gradients
+            arrive. A bandwidth-bound collective absorbs it (the early rank's bytes move
+            meanwhile), a latency-bound one shows it. 0 (default): ranks finish their steps
+            together.
+        exchange_s: what the engine's finiteness exchange costs (a tiny all-reduce each step of
+            a synchronous algorithm under ``nonfinite="raise"`` or ``"skip"``, right behind the
+            step's collectives, when the ranks have just met). None (default): a ring
+            all-reduce of its bytes on ``network``.
     """
 
     workers: int
@@ -81,6 +93,8 @@ class Cluster:
     codec_shares_compute: Optional[bool] = None
     comm_cpu_s_per_byte: float = 0.0
     sync_s: float = 0.0
+    step_sync_s: float = 0.0
+    exchange_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -91,6 +105,10 @@ class Cluster:
             raise ValueError(f"comm_cpu_s_per_byte must be >= 0, got {self.comm_cpu_s_per_byte}")
         if self.sync_s < 0:
             raise ValueError(f"sync_s must be >= 0, got {self.sync_s}")
+        if self.step_sync_s < 0:
+            raise ValueError(f"step_sync_s must be >= 0, got {self.step_sync_s}")
+        if self.exchange_s is not None and self.exchange_s < 0:
+            raise ValueError(f"exchange_s must be >= 0, got {self.exchange_s}")
 
 
 @dataclass
@@ -155,6 +173,29 @@ class _Step:
                                                wire_bytes * self.c.comm_cpu_s_per_byte * self.c.compute_scale,
                                                deps, priority=0))
         return t
+
+    def ends_step(self, name: str, collective: int, launch: int) -> int:
+        """What the optimizer waits for when ``collective``, launched at ``launch``, ends the
+        step: it completes no earlier than ``Cluster.step_sync_s`` after the launch (the
+        later rank's arrival; a pure delay, on no resource, so a collective that is still
+        moving bytes by then absorbs it)."""
+        if self.N <= 1 or self.c.step_sync_s <= 0:
+            return collective
+        lag = self.g.add(f"{name}/later rank", None, self.c.step_sync_s, [launch])
+        return self.g.marker(f"{name}/met", [collective, lag])
+
+    def finiteness_exchange(self, s: int, o: dict, deps) -> Optional[int]:
+        """The engine's non-finite gradient check (:mod:`lowband.guard`) for an algorithm that
+        neither defers it nor carries it in its own messages: one all-reduce of an int64 per
+        rank at ``engine.step()``, before the optimizer, on a group of its own (so on the link
+        it queues behind whatever the step still sends). None with ``nonfinite="off"`` or one
+        worker."""
+        if self.N <= 1 or o.get("nonfinite", "raise") == "off":
+            return None
+        from ..collectives.wire import allreduce_bytes
+        nbytes = 8.0 * self.N
+        seconds = self.net.allreduce_s(nbytes, self.N) if self.c.exchange_s is None else self.c.exchange_s
+        return self.comm(f"s{s}/finiteness exchange", seconds, allreduce_bytes(nbytes, self.N), deps, meet=False)
 
     def allreduce(self, name: str, nbytes: float, deps, meet: bool = True) -> int:
         from ..collectives.wire import allreduce_bytes
@@ -224,7 +265,7 @@ def inline_exact(collective: str, world: int) -> bool:
 
 def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collective: str, codec_name: str,
                       launch: int, prev_bg: Optional[int], ps_servers: Optional[int], exact_bytes: float = 0.0,
-                      share_bytes: float = 0.0) -> int:
+                      share_bytes: float = 0.0, ends_step: bool = False) -> int:
     """One bucket through a compressed collective; returns its last task. ``nbytes``: fp32
     bytes of the bucket (every element has its code in the message, exact ones code 0);
     ``exact_bytes``: fp32 bytes of its exact segments (always in the message as well);
@@ -236,27 +277,33 @@ def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collect
     in both messages. allgather (lowband): encode -> all_gather -> decode N payloads. Both on
     lowband's single background thread (``prev_bg`` chains them). ps (MXNet): encode -> push
     compressed / pull fp32 -> (server decodes N pushes of its shard); per-key pipelining, not
-    chained; exact values as an fp32 push/pull beside it."""
+    chained; exact values as an fp32 push/pull beside it. ``ends_step``: the bucket launched as
+    backward ends, whose first collective is where the ranks meet (:meth:`_Step.ends_step`)."""
     N, cd = st.N, st.p.codec(codec_name)
+
+    def meet(tag_: str, task: int) -> int:
+        return st.ends_step(tag_, task, launch) if ends_step else task
+
     inline = inline_exact(collective, N)
     raw = exact_bytes + (share_bytes if inline else 0.0)
     aside = [] if inline or share_bytes <= 0 else [share_bytes]
     if collective == "two-stage":
         e1 = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=N * segments), [launch, prev_bg])
-        a = st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments) + raw, [e1])
+        a = meet(f"{tag}/all_to_all", st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments) + raw, [e1]))
         d1 = st.codec(f"{tag}/decode+reencode",
                       cd.decode_s(nbytes, calls=N * segments) + cd.encode_s(nbytes / N, calls=segments), [a])
         g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes / N, calls=segments) + raw / N, [d1])
         return st.codec(f"{tag}/decode", cd.decode_s(nbytes, calls=N * segments), [g])
     if collective == "allgather":
         e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments), [launch, prev_bg])
-        g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes, calls=segments) + raw, [e])
+        g = meet(f"{tag}/all_gather", st.allgather(f"{tag}/all_gather", cd.payload(nbytes, calls=segments) + raw, [e]))
         beside = [st.allreduce(f"{tag}/all_reduce exact", b, [e]) for b in aside]
         return st.codec(f"{tag}/decode", cd.decode_s(N * nbytes, calls=N * segments), [g, *beside])
     if collective == "ps":
         servers = ps_servers or N
         e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments), [launch])
-        pp = st.pushpull(f"{tag}/push+pull", cd.payload(nbytes, calls=segments), nbytes, servers, [e])
+        pp = meet(f"{tag}/push+pull", st.pushpull(f"{tag}/push+pull", cd.payload(nbytes, calls=segments), nbytes,
+                                                  servers, [e]))
         beside = [st.pushpull(f"{tag}/push+pull exact", b, b, servers, [launch])
                   for b in [exact_bytes + share_bytes] if b > 0]
         return st.codec(f"{tag}/server-decode", cd.decode_s(nbytes * N / servers, calls=segments * N), [pp, *beside])
@@ -264,11 +311,13 @@ def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collect
 
 
 def _fp32_chain(st: _Step, tag: str, nbytes: float, collective: str, launch: int, prev_bg: Optional[int],
-                ps_servers: Optional[int]) -> int:
+                ps_servers: Optional[int], ends_step: bool = False) -> int:
     """A full-precision average of one bucket on the same path (CP-SGD's correction step)."""
     if collective == "ps":
-        return st.pushpull(f"{tag}/push+pull fp32", nbytes, nbytes, ps_servers or st.N, [launch])
-    return st.allreduce(f"{tag}/all_reduce fp32", nbytes, [launch, prev_bg])
+        t = st.pushpull(f"{tag}/push+pull fp32", nbytes, nbytes, ps_servers or st.N, [launch])
+    else:
+        t = st.allreduce(f"{tag}/all_reduce fp32", nbytes, [launch, prev_bg])
+    return st.ends_step(tag, t, launch) if ends_step else t
 
 
 # -- per-algorithm builders: each adds steps s = 0..S-1 and returns the step-end tasks --------
@@ -298,7 +347,10 @@ def _ssgd(st: _Step, o: dict, steps: int) -> list[int]:
         launches = st.launches(s, groups, ready, extra=() if overlap else (b,))
         done = [st.allreduce(f"s{s}/bucket{j}", st.nbytes(gr) + 4 * len(gr), [launches[j]])
                 for j, gr in enumerate(groups)]
-        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
+        if done:
+            done[-1] = st.ends_step(f"s{s}/bucket{len(groups) - 1}", done[-1], launches[-1])
+        check = st.finiteness_exchange(s, o, [b])
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, check, *done])
         ends.append(prev)
     return ends
 
@@ -329,10 +381,14 @@ def _ddp(st: _Step, o: dict, steps: int, kind: str = "ddp") -> list[int]:
                 fp = st.p.codec("fp16")
                 cast = st.compute(f"s{s}/bucket{j}/to fp16", fp.encode_s(nb) / 2, [launches[j]], priority=0)
                 red = st.allreduce(f"s{s}/bucket{j}", nb / 2, [cast])
+                if j == len(groups) - 1:
+                    red = st.ends_step(f"s{s}/bucket{j}", red, launches[j])
                 done.append(st.compute(f"s{s}/bucket{j}/to fp32", fp.decode_s(nb / 2), [red], priority=0))
             else:
-                done.append(st.allreduce(f"s{s}/bucket{j}", nb, [launches[j]]))
-        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, overhead, *done])
+                red = st.allreduce(f"s{s}/bucket{j}", nb, [launches[j]])
+                done.append(st.ends_step(f"s{s}/bucket{j}", red, launches[j]) if j == len(groups) - 1 else red)
+        check = st.finiteness_exchange(s, o, [b, overhead, *done])   # DDP reduces inside backward
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, overhead, check, *done])
         ends.append(prev)
     return ends
 
@@ -379,13 +435,15 @@ def _ddp_powersgd(st: _Step, o: dict, steps: int) -> list[int]:
         _, _, b = st.forward_backward(s, [prev])
         # DDP's and the hook's work beyond the three phases (bucket copies, futures, Python)
         b = st.engine_overhead(s, "ddp-powersgd", p_s + q_s + m_s, b) or b
-        u = st.allreduce(f"s{s}/uncompressed", unc, [b])
+        u = st.ends_step(f"s{s}/uncompressed", st.allreduce(f"s{s}/uncompressed", unc, [b]), b)
         p = st.compute(f"s{s}/P=MQ", p_s, [b], priority=0)
-        rp = st.allreduce(f"s{s}/all_reduce P", pbytes, [p])
+        # launched from the uncompressed all-reduce's callback (PyTorch's hook chains them)
+        rp = st.allreduce(f"s{s}/all_reduce P", pbytes, [p, u])
         q = st.compute(f"s{s}/Q=M^T P", q_s, [rp], priority=0)
         rq = st.allreduce(f"s{s}/all_reduce Q", qbytes, [q])
         d = st.compute(f"s{s}/M=PQ^T", m_s, [rq], priority=0)
-        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [u, d])
+        check = st.finiteness_exchange(s, o, [d])     # DDP's hook chain ends inside backward
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [u, d, check])
         ends.append(prev)
     return ends
 
@@ -420,12 +478,13 @@ def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
         for j, launch in enumerate(st.launches(s, groups, ready, extra)):
             nb, exact = st.nbytes(groups[j]), _exact_bytes(st, groups[j], o.get("compress_vectors", False))
             chained = bg if collective != "ps" else None
+            last = j == len(groups) - 1
             if exact >= nb:
                 bg = _fp32_chain(st, f"s{s}/bucket{j}", nb + 4 * len(groups[j]), collective, launch, chained,
-                                 o.get("ps_servers"))
+                                 o.get("ps_servers"), ends_step=last)
             else:
                 bg = _compressed_chain(st, f"s{s}/bucket{j}", nb, len(groups[j]), collective, codec_name,
-                                       launch, chained, o.get("ps_servers"), exact_bytes=exact)
+                                       launch, chained, o.get("ps_servers"), exact_bytes=exact, ends_step=last)
             done.append(bg)
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
         ends.append(prev)
@@ -461,14 +520,15 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
             exact = _exact_bytes(st, groups[j], o.get("compress_vectors", False))
             snap = st.compute(f"{tag}/snapshot", 0.0, [launch], priority=0)
             chained = bg if serial else None
+            last = j == len(groups) - 1
             if correcting:
-                bg = _fp32_chain(st, tag, nb, collective, snap, chained, o.get("ps_servers"))
+                bg = _fp32_chain(st, tag, nb, collective, snap, chained, o.get("ps_servers"), ends_step=last)
             elif mode == "spread" and k is not None:     # 1/k of the bucket's elements exact
                 bg = _compressed_chain(st, tag, nb, len(groups[j]), collective, codec_name, snap, chained,
-                                       o.get("ps_servers"), exact_bytes=exact, share_bytes=nb / k)
+                                       o.get("ps_servers"), exact_bytes=exact, share_bytes=nb / k, ends_step=last)
             else:
                 bg = _compressed_chain(st, tag, nb, len(groups[j]), collective, codec_name, snap, chained,
-                                       o.get("ps_servers"), exact_bytes=exact)
+                                       o.get("ps_servers"), exact_bytes=exact, ends_step=last)
             done.append(bg)
         if fused:
             prev = st.compute(f"s{s}/global optimizer + local update (fused)", st.p.fused_update_s, [b, *in_flight])
@@ -581,9 +641,12 @@ def _lazy(st: _Step, o: dict, steps: int) -> list[int]:
         launches = st.launches(s, groups, ready)
         done = [st.allreduce(f"s{s}/bucket{j}", st.nbytes(gr) + 4 * len(gr), [launches[j]])
                 for j, gr in enumerate(groups)]
+        if done:
+            done[-1] = st.ends_step(f"s{s}/bucket{len(groups) - 1}", done[-1], launches[-1])
         if lazy and math.floor((s + 1) / tau) > math.floor(s / tau):
             done.append(st.allreduce(f"s{s}/lazy sync", fused, [b, launches[-1] if launches else None]))
-        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
+        check = st.finiteness_exchange(s, o, [b])
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, check, *done])
         ends.append(prev)
     return ends
 

@@ -277,7 +277,7 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     stamps: list[float] = [0.0] * len(named)
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
              for i, (_, p) in enumerate(named)]
-    x, y = _example_batch(model_name, model, batch_size)
+    x, y = example_batch(model_name, model, batch_size)
     recorder = ForwardOrder(input_side_layers(model))     # one untimed forward: the lazy update's order
     with torch.no_grad():
         model(x)
@@ -315,7 +315,7 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
             "optimizer_s": _median(opt_t), "buffer_bytes": int(buffers), "fused_update_s": fused_s}
 
 
-def _example_batch(model_name: str, model, batch_size: int):
+def example_batch(model_name: str, model, batch_size: int):
     """A random batch of the shape ``model_name`` trains on: Fashion-MNIST images and classes,
     or for a language model byte ids over its whole context and the next bytes."""
     import torch
@@ -414,7 +414,7 @@ def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[
         # Hundreds of steps on one random batch at lr 0.05 diverged on one machine (a NaN at
         # step 141: the guard stopped the measurement), and timing must not depend on values.
         opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=1e-4)
-        return opt, lowband.distribute(model, opt, name), _example_batch(model_name, model, batch_size)
+        return opt, lowband.distribute(model, opt, name), example_batch(model_name, model, batch_size)
 
     def step(run) -> float:
         opt, engine, (x, y) = run
