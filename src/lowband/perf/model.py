@@ -187,15 +187,15 @@ class _Step:
     def finiteness_exchange(self, s: int, o: dict, deps) -> Optional[int]:
         """The engine's non-finite gradient check (:mod:`lowband.guard`) for an algorithm that
         neither defers it nor carries it in its own messages: one all-reduce of an int64 per
-        rank at ``engine.step()``, before the optimizer, on a group of its own (so on the link
-        it queues behind whatever the step still sends). None with ``nonfinite="off"`` or one
+        rank at ``engine.step()``, before the optimizer. A pure delay (``Cluster.exchange_s``,
+        or a ring all-reduce of its bytes), on no resource: it runs on a process group of its
+        own, and its few bytes do not wait behind a bucket's on the model's FIFO link (S-SGD's
+        buckets are still in flight when it starts). None with ``nonfinite="off"`` or one
         worker."""
         if self.N <= 1 or o.get("nonfinite", "raise") == "off":
             return None
-        from ..collectives.wire import allreduce_bytes
-        nbytes = 8.0 * self.N
-        seconds = self.net.allreduce_s(nbytes, self.N) if self.c.exchange_s is None else self.c.exchange_s
-        return self.comm(f"s{s}/finiteness exchange", seconds, allreduce_bytes(nbytes, self.N), deps, meet=False)
+        seconds = self.net.allreduce_s(8.0 * self.N, self.N) if self.c.exchange_s is None else self.c.exchange_s
+        return self.g.add(f"s{s}/finiteness exchange", None, seconds, deps)
 
     def allreduce(self, name: str, nbytes: float, deps, meet: bool = True) -> int:
         from ..collectives.wire import allreduce_bytes
