@@ -289,7 +289,8 @@ def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collect
     aside = [] if inline or share_bytes <= 0 else [share_bytes]
     if collective == "two-stage":
         e1 = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=N * segments), [launch, prev_bg])
-        a = meet(f"{tag}/all_to_all", st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments) + raw, [e1]))
+        a = meet(f"{tag}/all_to_all",
+                 st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments) + raw, [e1]))
         d1 = st.codec(f"{tag}/decode+reencode",
                       cd.decode_s(nbytes, calls=N * segments) + cd.encode_s(nbytes / N, calls=segments), [a])
         g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes / N, calls=segments) + raw / N, [d1])
