@@ -2,6 +2,7 @@
 
     python benchmarks/paper_projection.py > runs/paper_projection.md
     python benchmarks/paper_projection.py --plots docs/img/perfmodel   # also the speedup plots
+    python benchmarks/paper_projection.py --doc docs/results.md        # regenerate its section there
 
 Two projections (docs/perfmodel.md explains every assumption):
 
@@ -35,6 +36,8 @@ from lowband.perf.profile import load_profile  # noqa: E402
 GBIT = 1e9
 PAPER_CPSGD = "30% less end-to-end time than synchronous 2-bit at 32 GPUs, 56 Gbit/s; scaling 8/16/32 \"approximately linear\""
 PAPER_LAZY = {2048: (276.6, 739.6)}
+#: the generated section of the doc (``--doc``): lowband.report's markers
+SECTION = "paper-projection"
 
 
 def pct_less(a: float, b: float) -> str:
@@ -126,13 +129,20 @@ def lazy_section() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plots", default=None, help="directory for speedup-vs-workers plots")
+    ap.add_argument("--doc", default=None,
+                    help="also write both tables into this markdown file, between its "
+                         f"{SECTION!r} markers (appended when it has none)")
     args = ap.parse_args(argv)
-    print("### CP-SGD against synchronous 2-bit (ResNet-50, V100 profile, 56 Gbit/s)\n")
-    print(f"Paper: {PAPER_CPSGD}.\n")
-    print(cpsgd_section())
-    print("\n### Lazy update against S-SGD (ResNet-50, KNL profile, 64 Gbit/s Aries)\n")
-    print("Speedup over one node, weak scaling at the stated per-node batch.\n")
-    print(lazy_section())
+    body = "\n".join([
+        "#### CP-SGD against synchronous 2-bit (ResNet-50, V100 profile, 56 Gbit/s)", "",
+        f"Paper: {PAPER_CPSGD}.", "", cpsgd_section(), "",
+        "#### Lazy update against S-SGD (ResNet-50, KNL profile, 64 Gbit/s Aries)", "",
+        "Speedup over one node, weak scaling at the stated per-node batch.", "", lazy_section()])
+    print(body)
+    if args.doc:
+        from lowband.report import update_doc
+        update_doc(args.doc, f"Regenerate: `python benchmarks/paper_projection.py --doc {args.doc}`.\n\n{body}",
+                   SECTION)
     if args.plots:
         os.makedirs(args.plots, exist_ok=True)
         v100 = load_profile("resnet50-v100").scaled(64)
