@@ -734,12 +734,15 @@ def _one(_o: dict) -> float:
 
 MODELS: dict[str, AlgorithmModel] = {
     "noop": AlgorithmModel(_noop, _one, "exact structure: forward, backward, optimizer"),
-    "ssgd": AlgorithmModel(_ssgd, _one, "bucketed ring all-reduce overlapped with backward (BucketSet rule)"),
-    "ddp": AlgorithmModel(_ddp, _one, "DDP Reducer buckets (bucket_cap_mb) overlapped with backward; buffer broadcast"),
+    "ssgd": AlgorithmModel(_ssgd, _one, "bucketed ring all-reduce overlapped with backward (BucketSet rule); the engine's "
+                                       "finiteness exchange beside the last buckets"),
+    "ddp": AlgorithmModel(_ddp, _one, "DDP Reducer buckets (bucket_cap_mb) overlapped with backward; buffer broadcast; "
+                                     "the finiteness exchange after them"),
     "ddp-fp16": AlgorithmModel(lambda st, o, s: _ddp(st, o, s, "ddp-fp16"), _one,
                                "as ddp with fp16 bytes; the casts approximated from the fp16 codec's speed"),
     "ddp-powersgd": AlgorithmModel(_ddp_powersgd, _one,
-                                   "3 all-reduces after backward; matmul cost approximated by lowband's powersgd codec"),
+                                   "3 chained all-reduces after backward, the finiteness exchange after "
+                                   "them; matmul phases measured (else lowband's powersgd codec)"),
     "compressed": AlgorithmModel(_compressed, _one,
                                  "steady state after warm-up; codec chain on one background thread; fp32 1-D buckets"),
     "cpsgd": AlgorithmModel(_cpsgd, lambda o: float(o.get("correction_period", 20) or 1), "depth-1 pipeline, burst or spread "
