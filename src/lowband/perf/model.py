@@ -335,6 +335,15 @@ def _noop(st: _Step, o: dict, steps: int) -> list[int]:
     return ends
 
 
+def _flagged_buckets(st: _Step, s: int, groups: list[list[int]], launches: list[int]) -> list[int]:
+    """lowband's bucketed all-reduce (gradients plus one had-a-gradient flag per parameter),
+    each bucket at its launch; the last one ends the step (:meth:`_Step.ends_step`)."""
+    done = [st.allreduce(f"s{s}/bucket{j}", st.nbytes(gr) + 4 * len(gr), [launches[j]]) for j, gr in enumerate(groups)]
+    if done:
+        done[-1] = st.ends_step(f"s{s}/bucket{len(groups) - 1}", done[-1], launches[-1])
+    return done
+
+
 def _ssgd(st: _Step, o: dict, steps: int) -> list[int]:
     """Bucketed all-reduce (gradients + one flag per parameter) launched during backward
     (``overlap=False``: after backward); the optimizer waits for every bucket."""
@@ -346,10 +355,7 @@ def _ssgd(st: _Step, o: dict, steps: int) -> list[int]:
     for s in range(steps):
         _, ready, b = st.forward_backward(s, [prev])
         launches = st.launches(s, groups, ready, extra=() if overlap else (b,))
-        done = [st.allreduce(f"s{s}/bucket{j}", st.nbytes(gr) + 4 * len(gr), [launches[j]])
-                for j, gr in enumerate(groups)]
-        if done:
-            done[-1] = st.ends_step(f"s{s}/bucket{len(groups) - 1}", done[-1], launches[-1])
+        done = _flagged_buckets(st, s, groups, launches)
         check = st.finiteness_exchange(s, o, [b])
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, check, *done])
         ends.append(prev)
@@ -377,17 +383,17 @@ def _ddp(st: _Step, o: dict, steps: int, kind: str = "ddp") -> list[int]:
         launches = st.launches(s, groups, ready, last_extra=[overhead])
         done = []
         for j, gr in enumerate(groups):
-            nb = st.nbytes(gr)
+            nb, tag, start = st.nbytes(gr), f"s{s}/bucket{j}", launches[j]
             if kind == "ddp-fp16":
                 fp = st.p.codec("fp16")
-                cast = st.compute(f"s{s}/bucket{j}/to fp16", fp.encode_s(nb) / 2, [launches[j]], priority=0)
-                red = st.allreduce(f"s{s}/bucket{j}", nb / 2, [cast])
-                if j == len(groups) - 1:
-                    red = st.ends_step(f"s{s}/bucket{j}", red, launches[j])
-                done.append(st.compute(f"s{s}/bucket{j}/to fp32", fp.decode_s(nb / 2), [red], priority=0))
-            else:
-                red = st.allreduce(f"s{s}/bucket{j}", nb, [launches[j]])
-                done.append(st.ends_step(f"s{s}/bucket{j}", red, launches[j]) if j == len(groups) - 1 else red)
+                start = st.compute(f"{tag}/to fp16", fp.encode_s(nb) / 2, [start], priority=0)
+                nb /= 2
+            red = st.allreduce(tag, nb, [start])
+            if j == len(groups) - 1:
+                red = st.ends_step(tag, red, launches[j])
+            if kind == "ddp-fp16":
+                red = st.compute(f"{tag}/to fp32", st.p.codec("fp16").decode_s(nb), [red], priority=0)
+            done.append(red)
         check = st.finiteness_exchange(s, o, [b, overhead, *done])   # DDP reduces inside backward
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, overhead, check, *done])
         ends.append(prev)
@@ -640,10 +646,7 @@ def _lazy(st: _Step, o: dict, steps: int) -> list[int]:
     for s in range(steps):
         _, ready, b = st.forward_backward(s, [prev])
         launches = st.launches(s, groups, ready)
-        done = [st.allreduce(f"s{s}/bucket{j}", st.nbytes(gr) + 4 * len(gr), [launches[j]])
-                for j, gr in enumerate(groups)]
-        if done:
-            done[-1] = st.ends_step(f"s{s}/bucket{len(groups) - 1}", done[-1], launches[-1])
+        done = _flagged_buckets(st, s, groups, launches)
         if lazy and math.floor((s + 1) / tau) > math.floor(s / tau):
             done.append(st.allreduce(f"s{s}/lazy sync", fused, [b, launches[-1] if launches else None]))
         check = st.finiteness_exchange(s, o, [b])
