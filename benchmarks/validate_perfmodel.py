@@ -268,7 +268,8 @@ def step_probe_costs(outs: list[dict]) -> dict:
     the first and in the second all-reduce of every step): per round, the mean over ranks of
     each rank's median step; the median round. Medians, as the measured step is robust to
     load spikes (the median of block means), so the probe must not count the spikes either:
-    the ranks' means came out 10-35% higher, from a few steps of 20-60 ms."""
+    the calls have a long tail (up to 10-14 ms at 2 workers, 36-55 ms at 4 in the twenty-second
+    session's probes), and the ranks' means came out 11-214% above their medians."""
     rounds = len(outs[0]["first"])
 
     def cost(key: str) -> float:
@@ -377,7 +378,9 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
     """Predict one ``noop,ALG`` pair. ``contention``: take gloo's CPU cost per byte and the
     per-collective synchronization cost from the probe beside compute (when the run has it),
     not the per-byte CPU time of an all-reduce with nothing else running. ``step_sync``: the
-    least time of the collective that ends a step from the step probe (when the run has it)."""
+    least time of the collective that ends a step and the finiteness exchange's cost from the
+    step probe (when the run has it); otherwise no step-end lag and the exchange at the
+    network's all-reduce time."""
     from lowband.perf.model import MODELS, Cluster, estimate
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
