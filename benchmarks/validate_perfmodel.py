@@ -112,6 +112,8 @@ def probe_worker(size: int, iters: int) -> None:
     """One rank of the probe: time ``iters`` all_reduces of ``size`` bytes, wall and CPU."""
     import torch
     import torch.distributed as dist
+    from lowband import memory
+    memory.configure("cached")     # as lowband's workers (``--malloc`` default)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     dist.all_reduce(torch.ones(16))
@@ -144,6 +146,8 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
     import torch
     import torch.distributed as dist
     from lowband.collectives.wire import allreduce_bytes
+    from lowband import memory
+    memory.configure("cached")     # as lowband's workers (``--malloc`` default)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -217,6 +221,8 @@ def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
     from lowband.models import make_model
     from lowband.perf.profile import example_batch
     from lowband.tasks import loss
+    from lowband import memory
+    memory.configure("cached")     # as lowband's workers (``--malloc`` default)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from . import __version__
 from .algorithms import ALGORITHMS, make_algorithm
 from .checkpoint import CheckpointError, check_resumable, read_manifest, verify
 from .cpus import CPU_BINDINGS
+from .memory import MALLOC_MODES
 from .config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
 from .data import DATASETS, DatasetError, load_dataset
 from .device import DEVICES, resolve as resolve_device
@@ -85,6 +86,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "may use (LOCAL_RANK of LOCAL_WORLD_SIZE; round-robin when there are more workers than "
                         "cores); none: the OS places every thread. On a 2-core vm it made no step faster in "
                         "lowband bench (docs/results.md) (default: %(default)s)")
+    p.add_argument("--malloc", default=d.malloc, choices=MALLOC_MODES,
+                   help="cached: the C heap keeps the pages a step freed for the next step (glibc's "
+                        "mmap threshold 32 MiB, trim threshold 1 GiB), so a step does not fault them in "
+                        "again; system: glibc's defaults. Results are bit-identical; cached cut 1,000-2,600 "
+                        "page faults per step and 15-20%% of cnn's step on a 2-core vm (docs/results.md) "
+                        "(default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
@@ -147,7 +154,8 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         dataset=task["dataset"], data_dir=args.data_dir, workers=workers, epochs=args.epochs,
         max_steps=args.max_steps, batch_size=task["batch_size"], lr=task["lr"], momentum=args.momentum,
         weight_decay=task["weight_decay"], optimizer=task["optimizer"], lr_schedule=task["lr_schedule"],
-        warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, cpu_binding=args.cpu_binding, run_dir=run_dir, timeout_s=args.timeout_s,
+        warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, cpu_binding=args.cpu_binding, malloc=args.malloc,
+        run_dir=run_dir, timeout_s=args.timeout_s,
         progress=args.progress, nonfinite=args.nonfinite, max_consecutive_skips=args.max_consecutive_skips,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, master_addr=args.master_addr,
@@ -210,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", default=None, help="where config, metrics and summary go (default: runs/latest)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR's run from its latest checkpoint (same flags; --epochs, "
-                        "--max-steps, --eval-every, --timeout, --nonfinite, --max-skips, --threads and --cpu-binding may change; a "
+                        "--max-steps, --eval-every, --timeout, --nonfinite, --max-skips, --threads, --cpu-binding and --malloc may change; a "
                         "cosine schedule is stretched from the resume point to the new end)")
     t.add_argument("--bandwidth", default="none",
                    help="emulated per-worker link rate, e.g. 1gbit, 200mbit (needs root; default: %(default)s = loopback)")
@@ -258,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--reps", type=int, default=20, help="measured steps (default: %(default)s)")
     pr.add_argument("--threads", type=int, default=TrainConfig.threads, help="intra-op threads (default: %(default)s)")
     pr.add_argument("--codecs", default=None, help="comma-separated compressors to measure (default: all)")
+    pr.add_argument("--malloc", default=TrainConfig.malloc, choices=MALLOC_MODES,
+                    help="the C heap's mode while measuring, as the workers' --malloc (default: %(default)s)")
 
     pl = sub.add_parser("plan", help="project step time and speedup of algorithms over worker counts",
                         description="Project, from a profile and a network, each algorithm's steady-state step time, "
@@ -507,7 +517,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         bad = [c for c in codecs if c not in COMPRESSORS]
         if bad:
             raise UsageError(f"unknown compressor(s) {bad}; choose from: {', '.join(COMPRESSORS)}")
-    prof = measure(args.model, args.batch_size, codecs, reps=args.reps, threads=args.threads,
+    prof = measure(args.model, args.batch_size, codecs, reps=args.reps, threads=args.threads, malloc=args.malloc,
                    progress=lambda m: print(f"profile: {m}", file=sys.stderr, flush=True))
     prof.save(args.out)
     print(f"{args.out}: {len(prof.params)} parameters, {prof.gradient_bytes / 1e6:.2f} MB of gradients; "

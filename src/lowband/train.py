@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .data import ShardedBatches, load_dataset
-from . import checkpoint, cpus, device, rendezvous, tasks
+from . import checkpoint, cpus, device, memory, rendezvous, tasks
 from .agreement import ReplicaMismatchError
 from .engine import distribute
 from .guard import NonFiniteLossError
@@ -98,6 +98,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     exactly the steps the uninterrupted run would have taken."""
     # first: every thread started from here on (torch's, gloo's, lowband's) inherits the cores
     cores = cpus.bind(cfg.cpu_binding)
+    malloc = memory.configure(cfg.malloc)    # before the first tensor: every step reuses its pages
     # the rank's GPU becomes current before NCCL creates its communicator (RANK: the launcher's
     # and torchrun's environment, the rank the process group takes next)
     dev = device.bind(cfg.device, int(os.environ.get("RANK", 0)))
@@ -243,7 +244,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
             "algorithm_summary": engine.bound.summary(),
             "workers": world, "device": str(dev), "backend": dist.get_backend(),
-            "cpu_binding": cfg.cpu_binding, "rank0_cores": cores, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
+            "cpu_binding": cfg.cpu_binding, "rank0_cores": cores, "malloc": cfg.malloc, "malloc_settings": malloc, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
             **metrics, **tasks.describe_data(train, test),
             "wall_s": wall, "train_s": train_time,

@@ -362,14 +362,18 @@ MEASURED_PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "diloco", "streaming-diloco
 
 
 def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequence[str] = MEASURED_PEERS,
-                            steps: int = 40, rounds: int = 5, warmup: int = 15, timeout_s: float = 900.0) -> dict[str, float]:
+                            steps: int = 40, rounds: int = 5, warmup: int = 15, timeout_s: float = 900.0,
+                            malloc: str = "cached") -> dict[str, float]:
     """:func:`engine_overhead_here` in a fresh Python process, which leaves with ``os._exit``:
     tearing down DDP's Reducer and its gloo group after ``destroy_process_group`` can hang
     in ``~ProcessGroupGloo`` (seen in the test suite), and a child process needs no tear-down.
-    A child that fails or times out gives ``{}`` (no measurement), with its error on stderr."""
+    A child that fails or times out gives ``{}`` (no measurement), with its error on stderr.
+    The child's C heap runs in mode ``malloc`` (:mod:`lowband.memory`), as the workers'."""
     import subprocess
     import sys
     code = ("import json, os, sys\n"
+            "from lowband import memory\n"
+            f"memory.configure({malloc!r})\n"
             "from lowband.perf.profile import engine_overhead_here\n"
             "def report(r):\n"
             "    sys.stdout.write('\\nENGINE-OVERHEAD ' + json.dumps(r) + '\\n'); sys.stdout.flush(); os._exit(0)\n"
@@ -590,10 +594,15 @@ def _time_codec_per_tensor(name: str, options: dict, flat, sizes: list[int], rep
 
 
 def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str]] = None, reps: int = 20,
-            threads: int = 1, progress=None) -> Profile:
-    """A profile of ``model_name`` on this machine (one worker, ``threads`` intra-op threads)."""
+            threads: int = 1, progress=None, malloc: str = "cached") -> Profile:
+    """A profile of ``model_name`` on this machine (one worker, ``threads`` intra-op threads),
+    with this process's C heap in mode ``malloc`` (:mod:`lowband.memory`; from here on), as
+    the workers whose steps it models run."""
     import torch
+    from .. import memory
     from ..compressors import COMPRESSORS
+
+    memory.configure(malloc)
 
     say = progress or (lambda msg: None)
     say(f"compute: {model_name}, batch {batch_size}, {reps} steps")
@@ -609,7 +618,7 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
     say(f"engine overhead: {', '.join(MEASURED_PEERS)} against noop, one process")
     # steps * rounds = 5 x reps measured steps per engine (a test's reps=1: 1 step, past the warm-up)
     overhead = measure_engine_overhead(model_name, batch_size, steps=reps, rounds=5 if reps >= 10 else 1,
-                                       warmup=15 if reps >= 10 else 11)
+                                       warmup=15 if reps >= 10 else 11, malloc=malloc)
     return Profile(
         model=model_name, batch_size=batch_size, forward_s=c["forward_s"], optimizer_s=c["optimizer_s"],
         params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
@@ -618,7 +627,7 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
         lazy_default=c["lazy_default"],
         codec_shares_compute=True,
         source=f"measured by `lowband profile --model {model_name} --batch-size {batch_size}` "
-               f"(median of {reps} steps, {threads} thread(s), torch {torch.__version__})",
+               f"(median of {reps} steps, {threads} thread(s), --malloc {malloc}, torch {torch.__version__})",
         machine=f"{platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         notes=["codec_shares_compute: lowband's compression thread runs on the worker's own CPU core"])
