@@ -209,8 +209,11 @@ def test_ddp_peers_pay_the_engine_overhead_the_profile_measured_beyond_what_is_m
 
 def test_engine_overhead_is_measured_against_noop_in_one_process():
     from lowband.perf.profile import measure_engine_overhead
-    got = measure_engine_overhead("cnn", 8, algorithms=("ddp", "ddp-powersgd"), steps=3, rounds=1, warmup=12)
+    got, pipeline = measure_engine_overhead("cnn", 8, algorithms=("ddp", "ddp-powersgd"), steps=3, rounds=1,
+                                            warmup=12, pipelines=("compressed", "cpsgd"))
     assert set(got) == {"ddp", "ddp-powersgd"} and all(x >= 0 for x in got.values())
+    # each pipeline thread ran its jobs (encode, the collective's call, decode) on the CPU
+    assert set(pipeline) == {"compressed", "cpsgd"} and all(x > 0 for x in pipeline.values())
 
 
 def test_streaming_diloco_syncs_the_codes_fragments_in_turn_and_hides_them_with_a_delay():
@@ -610,3 +613,31 @@ def test_measured_profile_records_the_lazy_updates_default_set(model_name, tmp_p
         prof.lazy_default = bad
         with pytest.raises(ProfileError, match="lazy_default"):
             prof.check()
+
+
+def test_the_pipelines_cpu_beyond_the_codec_is_charged_once_per_compressed_bucket():
+    """``pipeline_cpu_s`` (a pipeline thread's CPU per step at one rank) less the codec work the
+    model charges at one rank rides with each compressed bucket's encode: with a free network
+    and nothing to overlap (all gradients ready at the end), compressed's step grows by exactly
+    that remainder; a measurement below the modelled codec adds nothing; a bucket of only 1-D
+    parameters (fp32, no codec) gets none of it."""
+    import dataclasses
+    free = Cluster(2, Network(1e15, 0.0))
+    numel = 1_000_000
+    prof = make_profile([numel], [0.0], forward=0.004, optimizer=0.001, codec=_codec())
+    cd = prof.codec("2bit")
+    at_one = cd.encode_s(4 * numel) + cd.decode_s(4 * numel)
+    opts = {"nonfinite": "off", "warmup_steps": 0}
+    for kind in ("compressed", "cpsgd"):
+        base = estimate(prof, kind, opts, free).step_s
+        more = dataclasses.replace(prof, pipeline_cpu_s={kind: at_one + 0.003})
+        assert estimate(more, kind, opts, free).step_s == pytest.approx(base + 0.003, rel=1e-6)
+        less = dataclasses.replace(prof, pipeline_cpu_s={kind: 0.5 * at_one})
+        assert estimate(less, kind, opts, free).step_s == pytest.approx(base, rel=1e-9)
+    vectors = make_profile([1000], [0.0], forward=0.004, optimizer=0.001, codec=_codec())
+    vectors.params[0] = dataclasses.replace(vectors.params[0], shape=[1000])
+    base = estimate(vectors, "compressed", opts, free).step_s
+    assert estimate(dataclasses.replace(vectors, pipeline_cpu_s={"compressed": 0.01}), "compressed", opts,
+                    free).step_s == pytest.approx(base, rel=1e-9)
+    with pytest.raises(Exception, match="pipeline_cpu_s"):
+        dataclasses.replace(prof, pipeline_cpu_s={"cpsgd": -1.0}).check()

@@ -88,10 +88,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "lowband bench (docs/results.md) (default: %(default)s)")
     p.add_argument("--malloc", default=d.malloc, choices=MALLOC_MODES,
                    help="cached: the C heap keeps the pages a step freed for the next step (glibc's "
-                        "mmap threshold 32 MiB, trim threshold 1 GiB), so a step does not fault them in "
-                        "again; system: glibc's defaults. Results are bit-identical; cached cut 1,000-2,600 "
-                        "page faults per step and 15-20%% of cnn's step on a 2-core vm (docs/results.md) "
-                        "(default: %(default)s)")
+                        "mmap threshold 32 MiB, trim threshold 1 GiB), so a step never faults them in "
+                        "again; system: glibc's adaptive defaults, which in a bare training loop faulted "
+                        "1,000-2,600 pages per step (10-21%% of cnn's step) but not in lowband's workers "
+                        "on the 2-core vm (docs/architecture.md). Results are bit-identical (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")

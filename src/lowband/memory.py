@@ -1,13 +1,17 @@
 """How a worker's C heap hands memory back to the system (``--malloc cached|system``).
 
 Every CPU training step allocates and frees the same few megabytes (activations, gradients,
-the codec's buffers). glibc's malloc adapts two thresholds to that as it goes, and in a
-training loop it keeps undoing its own work: freed blocks at the top of the heap beyond
-``M_TRIM_THRESHOLD`` go back to the kernel and the next step faults them in again, a page
-at a time. Measured on the 2-core vm (cnn, 2 ranks over loopback, ``/proc/self/stat``'s minor
-faults): 1,000-2,600 page faults per step under every algorithm, varying from run to run and
-between the two ranks of one run, and 15-20% of the step (docs/results.md, "Twenty-third
-session").
+the codec's buffers). glibc's malloc adapts two thresholds to that as it goes, and depending
+on what else sits on the heap it may keep undoing its own work: freed blocks at the top of
+the heap beyond ``M_TRIM_THRESHOLD`` go back to the kernel and the next step faults them in
+again, a page at a time. Measured on the 2-core vm (docs/results.md, "Twenty-third session"):
+in a bare loop of ``lowband.distribute`` steps on one batch (cnn, 2 ranks over loopback),
+1,000-2,600 minor faults per step under every algorithm, differently from run to run and
+between the two ranks of one run, and 10-21% of the step; ``cached`` removed them. lowband's
+own workers (``lowband train``, with its data pipeline) showed no per-step faults under either
+mode, and ``lowband bench`` the same step times; ``cached`` is their default so that no
+process's step depends on where glibc's heap happens to end, and ``lowband profile`` (a bare
+loop) uses it so that it measures the step the workers run.
 
 * ``cached`` (the default of lowband's workers): large blocks come from the heap up to
   ``MMAP_THRESHOLD`` (glibc's ceiling, 32 MiB on 64-bit systems) and the heap is trimmed only

@@ -126,6 +126,10 @@ class Pipeline:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._error: Optional[BaseException] = None
         self._closed = False
+        #: CPU seconds of this pipeline's thread inside its jobs so far (codec, collectives'
+        #: calls, glue; the jobs' waits for the network cost none): what ``lowband profile``
+        #: measures per step for the performance model (``Profile.pipeline_cpu_s``)
+        self.cpu_s = 0.0
         self._thread = threading.Thread(target=self._loop, name=f"{name}-pipeline", daemon=True)
         self._thread.start()
 
@@ -140,10 +144,12 @@ class Pipeline:
             if self._error is not None:
                 future.set_exception(RuntimeError(f"an earlier collective of this rank failed: {self._error!r}"))
                 continue
+            cpu = time.thread_time()
             try:   # the result is (fn's value, the CUDA event at its end or None)
                 span[0] = time.perf_counter()
                 result = self.side.run(lambda: fn(*args), device, ready)
                 span[1] = time.perf_counter()
+                self.cpu_s += time.thread_time() - cpu
                 future.set_result(result)
             except BaseException as exc:   # delivered to whoever waits on the job
                 self._error = exc

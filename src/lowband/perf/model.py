@@ -13,7 +13,9 @@ For one representative worker (all workers are symmetric) the model builds, per 
   ``compute`` resource when the profile says the codec shares the processor with compute (CPU
   workers), on a ``codec`` resource of its own otherwise;
 * lowband's compressed collectives run their whole pipeline on one background thread, so the
-  codec and network tasks of successive buckets form one serial chain.
+  codec and network tasks of successive buckets form one serial chain; that thread's CPU
+  beyond the codec (flags, finiteness test, buffers, Python), which the profile measures per
+  step at one rank (``pipeline_cpu_s``), rides with each compressed bucket's encode.
 
 Each algorithm's dependency rules say which of these the next step waits for (module
 docstrings of the builders below; ``docs/perfmodel.md`` lists every approximation). The result
@@ -254,6 +256,22 @@ class _Step:
     def nbytes(self, group) -> float:
         return float(sum(self.p.params[i].nbytes for i in group))
 
+    def pipeline_glue(self, kind: str, groups: list[list[int]], codec_name: str, compress_vectors: bool) -> float:
+        """Seconds per compressed bucket of ``kind``'s pipeline CPU beyond its codec work: the
+        profile's ``pipeline_cpu_s[kind]`` (its thread's CPU inside jobs per step, one rank)
+        less what the model charges the codec at one rank for the same buckets (encode, decode
+        of one payload), shared among the compressed buckets; 0 without a measurement. The
+        flags, the finiteness test, buffers, the collective's call and Python between them:
+        a fixed cost per step that the codec's throughputs do not hold."""
+        measured = self.p.pipeline_cpu_s.get(kind, 0.0)
+        coded = [g for g in groups if _exact_bytes(self, g, compress_vectors) < self.nbytes(g)]
+        if measured <= 0 or not coded:
+            return 0.0
+        cd = self.p.codec(codec_name)
+        at_one = sum(cd.encode_s(self.nbytes(g), calls=len(g)) + cd.decode_s(self.nbytes(g), calls=len(g))
+                     for g in coded)
+        return max(0.0, measured - at_one) / len(coded)
+
 
 # -- compressed collectives ------------------------------------------------------------------
 
@@ -265,7 +283,7 @@ def inline_exact(collective: str, world: int) -> bool:
 
 def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collective: str, codec_name: str,
                       launch: int, prev_bg: Optional[int], ps_servers: Optional[int], exact_bytes: float = 0.0,
-                      share_bytes: float = 0.0, ends_step: bool = False) -> int:
+                      share_bytes: float = 0.0, ends_step: bool = False, glue_s: float = 0.0) -> int:
     """One bucket through a compressed collective; returns its last task. ``nbytes``: fp32
     bytes of the bucket (every element has its code in the message, exact ones code 0);
     ``exact_bytes``: fp32 bytes of its exact segments (always in the message as well);
@@ -278,7 +296,9 @@ def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collect
     lowband's single background thread (``prev_bg`` chains them). ps (MXNet): encode -> push
     compressed / pull fp32 -> (server decodes N pushes of its shard); per-key pipelining, not
     chained; exact values as an fp32 push/pull beside it. ``ends_step``: the bucket launched as
-    backward ends, whose first collective is where the ranks meet (:meth:`_Step.ends_step`)."""
+    backward ends, whose first collective is where the ranks meet (:meth:`_Step.ends_step`).
+    ``glue_s``: the pipeline's CPU beyond the codec (:meth:`_Step.pipeline_glue`), charged with
+    the encode on lowband's collectives."""
     N, cd = st.N, st.p.codec(codec_name)
 
     def meet(tag_: str, task: int) -> int:
@@ -288,7 +308,7 @@ def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collect
     raw = exact_bytes + (share_bytes if inline else 0.0)
     aside = [] if inline or share_bytes <= 0 else [share_bytes]
     if collective == "two-stage":
-        e1 = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=N * segments), [launch, prev_bg])
+        e1 = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=N * segments) + glue_s, [launch, prev_bg])
         a = meet(f"{tag}/all_to_all",
                  st.alltoall(f"{tag}/all_to_all", cd.payload(nbytes, calls=N * segments) + raw, [e1]))
         d1 = st.codec(f"{tag}/decode+reencode",
@@ -296,7 +316,7 @@ def _compressed_chain(st: _Step, tag: str, nbytes: float, segments: int, collect
         g = st.allgather(f"{tag}/all_gather", cd.payload(nbytes / N, calls=segments) + raw / N, [d1])
         return st.codec(f"{tag}/decode", cd.decode_s(nbytes, calls=N * segments), [g])
     if collective == "allgather":
-        e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments), [launch, prev_bg])
+        e = st.codec(f"{tag}/encode", cd.encode_s(nbytes, calls=segments) + glue_s, [launch, prev_bg])
         g = meet(f"{tag}/all_gather", st.allgather(f"{tag}/all_gather", cd.payload(nbytes, calls=segments) + raw, [e]))
         beside = [st.allreduce(f"{tag}/all_reduce exact", b, [e]) for b in aside]
         return st.codec(f"{tag}/decode", cd.decode_s(N * nbytes, calls=N * segments), [g, *beside])
@@ -477,6 +497,7 @@ def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
     groups = st.buckets(range(len(st.p.params)), o.get("bucket_mb", 1.0))
     overlap = o.get("overlap", True)
     collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
+    glue = st.pipeline_glue("compressed", groups, codec_name, o.get("compress_vectors", False))
     ends, prev, bg = [], None, None
     for s in range(steps):
         _, ready, b = st.forward_backward(s, [prev])
@@ -491,7 +512,8 @@ def _compressed(st: _Step, o: dict, steps: int) -> list[int]:
                                  o.get("ps_servers"), ends_step=last)
             else:
                 bg = _compressed_chain(st, f"s{s}/bucket{j}", nb, len(groups[j]), collective, codec_name,
-                                       launch, chained, o.get("ps_servers"), exact_bytes=exact, ends_step=last)
+                                       launch, chained, o.get("ps_servers"), exact_bytes=exact, ends_step=last,
+                                       glue_s=glue)
             done.append(bg)
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b, *done])
         ends.append(prev)
@@ -514,6 +536,7 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
     if mode not in ("burst", "spread"):
         raise ValueError(f"cpsgd: correction must be burst or spread, got {mode!r}")
     serial = collective != "ps"
+    glue = st.pipeline_glue("cpsgd", groups, codec_name, o.get("compress_vectors", False))
     local_cost = LOCAL_UPDATE_COST.get(o.get("local_update", "optimizer"), 1.0) * st.p.optimizer_s
     # the native fused pass (FusedSGDStep) where the profile measured it: it is what runs
     fused = o.get("local_update", "optimizer") == "optimizer" and st.p.fused_update_s is not None
@@ -532,10 +555,11 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
                 bg = _fp32_chain(st, tag, nb, collective, snap, chained, o.get("ps_servers"), ends_step=last)
             elif mode == "spread" and k is not None:     # 1/k of the bucket's elements exact
                 bg = _compressed_chain(st, tag, nb, len(groups[j]), collective, codec_name, snap, chained,
-                                       o.get("ps_servers"), exact_bytes=exact, share_bytes=nb / k, ends_step=last)
+                                       o.get("ps_servers"), exact_bytes=exact, share_bytes=nb / k, ends_step=last,
+                                       glue_s=glue)
             else:
                 bg = _compressed_chain(st, tag, nb, len(groups[j]), collective, codec_name, snap, chained,
-                                       o.get("ps_servers"), exact_bytes=exact, ends_step=last)
+                                       o.get("ps_servers"), exact_bytes=exact, ends_step=last, glue_s=glue)
             done.append(bg)
         if fused:
             prev = st.compute(f"s{s}/global optimizer + local update (fused)", st.p.fused_update_s, [b, *in_flight])

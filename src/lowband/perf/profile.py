@@ -19,6 +19,10 @@ A profile is a small JSON document (``FORMAT``):
   (:func:`measure_powersgd_hook`); ``engine_overhead_s`` (optional): per algorithm (the
   peers: DDP's three, torchft's DiLoCo), the seconds per step its engine adds to a
   compute-only step in one process with no peer (:func:`measure_engine_overhead`);
+  ``pipeline_cpu_s`` (optional): per lowband algorithm that compresses on its pipeline's
+  thread (``compressed``, ``cpsgd``), the CPU seconds per step that thread spends inside its
+  jobs (codec calls, the collective's call, flags, finiteness test, buffers: ``Pipeline.cpu_s``),
+  in the same process and loop, warm-up 0;
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
   input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),
   and the payload size as a ratio of the fp32 bytes plus a fixed number of bytes per call.
@@ -126,6 +130,7 @@ class Profile:
     fused_update_s: Optional[float] = None
     powersgd_hook_s: dict[str, list[float]] = field(default_factory=dict)
     engine_overhead_s: dict[str, float] = field(default_factory=dict)
+    pipeline_cpu_s: dict[str, float] = field(default_factory=dict)
     codecs: dict[str, CodecInfo] = field(default_factory=dict)
     codec_shares_compute: bool = True
     source: str = ""
@@ -209,9 +214,10 @@ class Profile:
         for r, phases in self.powersgd_hook_s.items():
             if not (str(r).isdigit() and int(r) >= 1 and len(phases) == 3 and min(phases) >= 0):
                 raise ProfileError(f"{where}: powersgd_hook_s[{r!r}] must be three times >= 0 for a rank >= 1")
-        for name, x in self.engine_overhead_s.items():
-            if not (isinstance(x, (int, float)) and x >= 0):
-                raise ProfileError(f"{where}: engine_overhead_s[{name!r}] must be seconds >= 0")
+        for kind in ("engine_overhead_s", "pipeline_cpu_s"):
+            for name, x in getattr(self, kind).items():
+                if not (isinstance(x, (int, float)) and x >= 0):
+                    raise ProfileError(f"{where}: {kind}[{name!r}] must be seconds >= 0")
         if self.lazy_default is not None:
             names = {p.name for p in self.params}
             lists = [self.lazy_default.get(k) if isinstance(self.lazy_default, dict) else None
@@ -359,16 +365,22 @@ POWERSGD_RANKS = (1, 2, 4)
 #: (DDP's Reducer and hooks, torchft's manager and optimizer wrapper) is not among the tasks
 #: the performance model builds, unlike lowband's own algorithms' buckets and codecs
 MEASURED_PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "diloco", "streaming-diloco")
+#: lowband's algorithms whose pipeline thread's CPU the profile measures (``pipeline_cpu_s``)
+MEASURED_PIPELINES = ("compressed", "cpsgd")
+#: key prefix of a pipeline's CPU in the engine-overhead child's report
+_PIPELINE = "pipeline:"
 
 
 def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequence[str] = MEASURED_PEERS,
                             steps: int = 40, rounds: int = 5, warmup: int = 15, timeout_s: float = 900.0,
-                            malloc: str = "cached") -> dict[str, float]:
+                            malloc: str = "cached", pipelines: Sequence[str] = MEASURED_PIPELINES,
+                            ) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`engine_overhead_here` in a fresh Python process, which leaves with ``os._exit``:
     tearing down DDP's Reducer and its gloo group after ``destroy_process_group`` can hang
     in ``~ProcessGroupGloo`` (seen in the test suite), and a child process needs no tear-down.
-    A child that fails or times out gives ``{}`` (no measurement), with its error on stderr.
-    The child's C heap runs in mode ``malloc`` (:mod:`lowband.memory`), as the workers'."""
+    Returns (engine overhead per peer, pipeline CPU per step of each of ``pipelines``). A
+    child that fails or times out gives ``({}, {})`` (no measurement), with its error on
+    stderr. The child's C heap runs in mode ``malloc`` (:mod:`lowband.memory`), as the workers'."""
     import subprocess
     import sys
     code = ("import json, os, sys\n"
@@ -377,7 +389,8 @@ def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequen
             "from lowband.perf.profile import engine_overhead_here\n"
             "def report(r):\n"
             "    sys.stdout.write('\\nENGINE-OVERHEAD ' + json.dumps(r) + '\\n'); sys.stdout.flush(); os._exit(0)\n"
-            f"engine_overhead_here({model_name!r}, {batch_size}, {list(algorithms)!r}, {steps}, {rounds}, {warmup}, report)\n")
+            f"engine_overhead_here({model_name!r}, {batch_size}, {list(algorithms)!r}, {steps}, {rounds}, {warmup}, "
+            f"report, {list(pipelines)!r})\n")
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
@@ -385,17 +398,20 @@ def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequen
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         print(f"lowband profile: engine overhead not measured (timed out after {timeout_s:.0f} s)", file=sys.stderr)
-        return {}
+        return {}, {}
     for line in proc.stdout.splitlines():
         if line.startswith("ENGINE-OVERHEAD "):
-            return {k: float(v) for k, v in json.loads(line[len("ENGINE-OVERHEAD "):]).items()}
+            got = {k: float(v) for k, v in json.loads(line[len("ENGINE-OVERHEAD "):]).items()}
+            return ({k: v for k, v in got.items() if not k.startswith(_PIPELINE)},
+                    {k[len(_PIPELINE):]: v for k, v in got.items() if k.startswith(_PIPELINE)})
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     print(f"lowband profile: engine overhead not measured (exit {proc.returncode}: {tail})", file=sys.stderr)
-    return {}
+    return {}, {}
 
 
 def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[str], steps: int, rounds: int,
-                         warmup: int, report: Callable[[dict[str, float]], None]) -> None:
+                         warmup: int, report: Callable[[dict[str, float]], None],
+                         pipelines: Sequence[str] = ()) -> None:
     """Seconds per step each algorithm's engine adds to a compute-only (``noop``) step, in
     this fresh process on a 1-rank gloo group (no peer, no network): for the DDP peers, DDP's
     Reducer (gradient copies into its buckets, autograd hooks, futures, the copy back) and the
@@ -404,21 +420,24 @@ def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[
     their steps in turn, ``warmup`` steps (past ``start_powerSGD_iter``) then ``steps *
     rounds`` measured; each median step (which leaves out DiLoCo's periodic syncs, charged by
     the model itself) minus noop's, at least 0, goes to ``report`` before anything is torn
-    down (``report`` leaves the process: see :func:`measure_engine_overhead`)."""
+    down (``report`` leaves the process: see :func:`measure_engine_overhead`). Each of
+    ``pipelines`` (lowband's compressing algorithms, warm-up 0) steps in the same loop; its
+    pipeline thread's CPU inside jobs per measured step (``Pipeline.cpu_s``) is reported as
+    ``"pipeline:NAME"``."""
     import torch
     import torch.distributed as dist
     import lowband
     from .. import tasks
     from ..models import make_model
 
-    def build(name: str):
+    def build(name: str, **options):
         torch.manual_seed(0)
         model = make_model(model_name)
         # lr 0: the same arithmetic per step as any learning rate, but the weights stay put.
         # Hundreds of steps on one random batch at lr 0.05 diverged on one machine (a NaN at
         # step 141: the guard stopped the measurement), and timing must not depend on values.
         opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=1e-4)
-        return opt, lowband.distribute(model, opt, name), example_batch(model_name, model, batch_size)
+        return opt, lowband.distribute(model, opt, name, **options), example_batch(model_name, model, batch_size)
 
     def step(run) -> float:
         opt, engine, (x, y) = run
@@ -440,14 +459,22 @@ def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[
             runs[a] = build(a)
         except ValueError:      # the peer refuses this model (ddp-powersgd: more than one bucket)
             continue
+    for a in pipelines:
+        runs[_PIPELINE + a] = build(a, warmup_steps=0)
     times: dict[str, list[float]] = {a: [] for a in runs}
+    cpu0: dict[str, float] = {}
     for i in range(warmup + steps * rounds):
+        if i == warmup:
+            cpu0 = {a: run[1].bound.reducer.pipeline.cpu_s for a, run in runs.items() if a.startswith(_PIPELINE)}
         for a, run in runs.items():
             dt = step(run)
             if i >= warmup:
                 times[a].append(dt)
     base = _median(times["noop"])
-    report({a: max(0.0, _median(times[a]) - base) for a in runs if a != "noop"})
+    out = {a: max(0.0, _median(times[a]) - base) for a in runs if a != "noop" and not a.startswith(_PIPELINE)}
+    for a, c in cpu0.items():
+        out[a] = (runs[a][1].bound.reducer.pipeline.cpu_s - c) / (steps * rounds)
+    report(out)
 
 
 def measure_powersgd_hook(shapes: Sequence[Sequence[int]], rank: int, reps: int = 10,
@@ -615,15 +642,17 @@ def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str
     say(f"PowerSGD hook: ranks {', '.join(map(str, POWERSGD_RANKS))}")
     shapes = [p.shape for p in c["params"]]
     hook = {str(r): measure_powersgd_hook(shapes, r) for r in POWERSGD_RANKS}
-    say(f"engine overhead: {', '.join(MEASURED_PEERS)} against noop, one process")
+    say(f"engine overhead: {', '.join(MEASURED_PEERS)} against noop, and the pipeline CPU of "
+        f"{', '.join(MEASURED_PIPELINES)}, one process")
     # steps * rounds = 5 x reps measured steps per engine (a test's reps=1: 1 step, past the warm-up)
-    overhead = measure_engine_overhead(model_name, batch_size, steps=reps, rounds=5 if reps >= 10 else 1,
-                                       warmup=15 if reps >= 10 else 11, malloc=malloc)
+    overhead, pipeline_cpu = measure_engine_overhead(model_name, batch_size, steps=reps, rounds=5 if reps >= 10 else 1,
+                                                     warmup=15 if reps >= 10 else 11, malloc=malloc)
     return Profile(
         model=model_name, batch_size=batch_size, forward_s=c["forward_s"], optimizer_s=c["optimizer_s"],
         params=c["params"], ready_order=c["ready_order"], backward_s=c["backward_s"],
         backward_tail_s=c["backward_tail_s"], buffer_bytes=c["buffer_bytes"],
-        fused_update_s=c["fused_update_s"], powersgd_hook_s=hook, engine_overhead_s=overhead, codecs=infos,
+        fused_update_s=c["fused_update_s"], powersgd_hook_s=hook, engine_overhead_s=overhead,
+        pipeline_cpu_s=pipeline_cpu, codecs=infos,
         lazy_default=c["lazy_default"],
         codec_shares_compute=True,
         source=f"measured by `lowband profile --model {model_name} --batch-size {batch_size}` "
