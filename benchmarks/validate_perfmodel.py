@@ -565,6 +565,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
         return 2
+    # a run started with an absolute --out recorded it in its command: cite it as given here
+    here = os.path.abspath(args.out)
+    for r in rows:
+        r["command"] = r["command"].replace(here, os.path.normpath(args.out))
     body = render(rows, args.profile, profile)
     print(body)
     with open(os.path.join(args.out, "validation.json"), "w") as f:

@@ -8,8 +8,9 @@ again, a page at a time. Measured on the 2-core vm (docs/results.md, "Twenty-thi
 in a bare loop of ``lowband.distribute`` steps on one batch (cnn, 2 ranks over loopback),
 1,000-2,600 minor faults per step under every algorithm, differently from run to run and
 between the two ranks of one run, and 10-21% of the step; ``cached`` removed them. lowband's
-own workers (``lowband train``, with its data pipeline) showed no per-step faults under either
-mode, and ``lowband bench`` the same step times; ``cached`` is their default so that no
+own workers (``lowband train``, with its data pipeline) showed few (0-4 a second under
+``cached``, at most ~20 a step in a few seconds under glibc's defaults), and ``lowband bench``
+the same step times under both; ``cached`` is their default so that no
 process's step depends on where glibc's heap happens to end, and ``lowband profile`` (a bare
 loop) uses it so that it measures the step the workers run.
 
