@@ -374,3 +374,28 @@ def test_cuda_buckets_without_triton_warn_once_and_take_the_torch_path(monkeypat
         monkeypatch.setattr(bucket_module, "_warned_torch_path", False)
         monkeypatch.setenv(kernels.ENV, "torch")                  # chosen knowingly: no warning
         assert bc._triton(_CudaLike()) is None
+
+
+def test_a_plans_skip_tables_are_cached_and_equal_to_skip_ranges(monkeypatch):
+    """``Plan.worker_skip`` returns what ``skip_ranges`` computes for every exact range and
+    absent set, builds each distinct table once, and keeps at most ``SKIP_CACHE`` of them."""
+    from lowband.collectives import compressed as cc
+    from lowband.compressors import build_compressor
+    segments = [("a", 1000), ("b", 37), ("c", 4097)]
+    for kind in ("allgather", "two-stage"):
+        plan = cc.make_plan(kind, 3, 1, segments, build_compressor("2bit", {}, error_feedback=False))
+        enc = plan.worker.enc
+        cases = [(0, 0, None), (0, 0, np.array([False, True, False])), (100, 900, None),
+                 (100, 900, np.array([True, False, False])), (0, 5134, None)]
+        first = [plan.worker_skip(lo, hi, absent) for lo, hi, absent in cases]
+        for (lo, hi, absent), got in zip(cases, first):
+            want = skip_ranges(enc.src, enc.length, enc.c, enc.seg, lo, hi, absent)
+            assert (got is None and want is None) or np.array_equal(got, want)
+        # the same key (an equal absent array, not the same object) gives the cached table
+        again = [plan.worker_skip(lo, hi, None if absent is None else absent.copy()) for lo, hi, absent in cases]
+        assert all(a is b for a, b in zip(first, again))
+    monkeypatch.setattr(cc, "SKIP_CACHE", 3)
+    plan = cc.make_plan("allgather", 3, 1, segments, build_compressor("2bit", {}, error_feedback=False))
+    for lo in range(10):
+        plan.worker_skip(lo, lo + 5, None)
+    assert len(plan._skips) <= 3
