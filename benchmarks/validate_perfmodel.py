@@ -108,14 +108,22 @@ def load_average() -> str:
 PROBE_PORT = "29519"   # free in rank 0's fresh namespace
 
 
+def join_probe_group() -> None:
+    """A probe rank's set-up, as a lowband worker's: its C heap in the workers' default mode
+    (:mod:`lowband.memory`), one intra-op thread, the gloo group of the launcher's environment."""
+    import torch
+    import torch.distributed as dist
+    from lowband import memory
+    memory.configure(memory.DEFAULT_MODE)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+
+
 def probe_worker(size: int, iters: int) -> None:
     """One rank of the probe: time ``iters`` all_reduces of ``size`` bytes, wall and CPU."""
     import torch
     import torch.distributed as dist
-    from lowband import memory
-    memory.configure("cached")     # as lowband's workers (``--malloc`` default)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_probe_group()
     dist.all_reduce(torch.ones(16))
     walls, cpus = [], []
     for _ in range(iters):
@@ -146,10 +154,7 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
     import torch
     import torch.distributed as dist
     from lowband.collectives.wire import allreduce_bytes
-    from lowband import memory
-    memory.configure("cached")     # as lowband's workers (``--malloc`` default)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_probe_group()
     world = dist.get_world_size()
     a = torch.randn(160, 160)
 
@@ -221,10 +226,7 @@ def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
     from lowband.models import make_model
     from lowband.perf.profile import example_batch
     from lowband.tasks import loss
-    from lowband import memory
-    memory.configure("cached")     # as lowband's workers (``--malloc`` default)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_probe_group()
     torch.manual_seed(0)
     model = make_model(model_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -90,7 +90,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="cached: the C heap keeps the pages a step freed for the next step (glibc's "
                         "mmap threshold 32 MiB, trim threshold 1 GiB), so a step never faults them in "
                         "again; system: glibc's adaptive defaults, which in a bare training loop faulted "
-                        "1,000-2,600 pages per step (10-21%% of cnn's step) but not in lowband's workers "
+                        "up to 2,600 pages per step (10-20%% of cnn's step) but not in lowband's workers "
                         "on the 2-core vm (docs/architecture.md). Results are bit-identical (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")

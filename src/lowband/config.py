@@ -45,7 +45,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1              # intra-op threads per worker
     cpu_binding: str = "none"     # "none" | "spread": each local rank on its own cores (lowband.cpus)
-    malloc: str = "cached"        # "cached" | "system": the C heap keeps a step's pages (lowband.memory)
+    malloc: str = memory.DEFAULT_MODE   # "cached" | "system": the C heap keeps a step's pages (lowband.memory)
     eval_every_epoch: bool = True
     eval_every_steps: Optional[int] = None   # also evaluate every N steps (accuracy-vs-time curves)
     run_dir: str = "runs/latest"

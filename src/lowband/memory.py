@@ -6,8 +6,9 @@ on what else sits on the heap it may keep undoing its own work: freed blocks at 
 the heap beyond ``M_TRIM_THRESHOLD`` go back to the kernel and the next step faults them in
 again, a page at a time. Measured on the 2-core vm (docs/results.md, "Twenty-third session"):
 in a bare loop of ``lowband.distribute`` steps on one batch (cnn, 2 ranks over loopback),
-1,000-2,600 minor faults per step under every algorithm, differently from run to run and
-between the two ranks of one run, and 10-21% of the step; ``cached`` removed them. lowband's
+up to 2,600 minor faults per step under every algorithm (750-2,600 on 18 of 20 ranks of
+ten runs, 8 and 41 on the other two: it differs from run to run and between the ranks of one
+run), and 10-20% of the step's time; ``cached`` removed them. lowband's
 own workers (``lowband train``, with its data pipeline) showed few (0-4 a second under
 ``cached``, at most ~20 a step in a few seconds under glibc's defaults), and ``lowband bench``
 the same step times under both; ``cached`` is their default so that no
@@ -36,6 +37,9 @@ import ctypes.util
 from typing import Optional
 
 MALLOC_MODES = ("cached", "system")
+#: lowband's workers' mode, and that of every bare loop that measures their step (``lowband
+#: profile``, the validation's probes)
+DEFAULT_MODE = "cached"
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1

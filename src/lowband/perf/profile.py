@@ -49,6 +49,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+# the C heap's mode a profile measures under: the workers' (:mod:`lowband.memory`)
+from ..memory import DEFAULT_MODE as MALLOC_DEFAULT
+
 FORMAT = "lowband-profile/1"
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -367,13 +370,11 @@ POWERSGD_RANKS = (1, 2, 4)
 MEASURED_PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "diloco", "streaming-diloco")
 #: lowband's algorithms whose pipeline thread's CPU the profile measures (``pipeline_cpu_s``)
 MEASURED_PIPELINES = ("compressed", "cpsgd")
-#: key prefix of a pipeline's CPU in the engine-overhead child's report
-_PIPELINE = "pipeline:"
 
 
 def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequence[str] = MEASURED_PEERS,
                             steps: int = 40, rounds: int = 5, warmup: int = 15, timeout_s: float = 900.0,
-                            malloc: str = "cached", pipelines: Sequence[str] = MEASURED_PIPELINES,
+                            malloc: str = MALLOC_DEFAULT, pipelines: Sequence[str] = MEASURED_PIPELINES,
                             ) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`engine_overhead_here` in a fresh Python process, which leaves with ``os._exit``:
     tearing down DDP's Reducer and its gloo group after ``destroy_process_group`` can hang
@@ -401,16 +402,16 @@ def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequen
         return {}, {}
     for line in proc.stdout.splitlines():
         if line.startswith("ENGINE-OVERHEAD "):
-            got = {k: float(v) for k, v in json.loads(line[len("ENGINE-OVERHEAD "):]).items()}
-            return ({k: v for k, v in got.items() if not k.startswith(_PIPELINE)},
-                    {k[len(_PIPELINE):]: v for k, v in got.items() if k.startswith(_PIPELINE)})
+            got = json.loads(line[len("ENGINE-OVERHEAD "):])
+            return ({k: float(v) for k, v in got["engine"].items()},
+                    {k: float(v) for k, v in got["pipeline"].items()})
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     print(f"lowband profile: engine overhead not measured (exit {proc.returncode}: {tail})", file=sys.stderr)
     return {}, {}
 
 
 def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[str], steps: int, rounds: int,
-                         warmup: int, report: Callable[[dict[str, float]], None],
+                         warmup: int, report: Callable[[dict[str, dict[str, float]]], None],
                          pipelines: Sequence[str] = ()) -> None:
     """Seconds per step each algorithm's engine adds to a compute-only (``noop``) step, in
     this fresh process on a 1-rank gloo group (no peer, no network): for the DDP peers, DDP's
@@ -419,11 +420,11 @@ def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[
     is lowband's engine as `lowband train` builds it; all of them and a ``noop`` engine take
     their steps in turn, ``warmup`` steps (past ``start_powerSGD_iter``) then ``steps *
     rounds`` measured; each median step (which leaves out DiLoCo's periodic syncs, charged by
-    the model itself) minus noop's, at least 0, goes to ``report`` before anything is torn
-    down (``report`` leaves the process: see :func:`measure_engine_overhead`). Each of
-    ``pipelines`` (lowband's compressing algorithms, warm-up 0) steps in the same loop; its
-    pipeline thread's CPU inside jobs per measured step (``Pipeline.cpu_s``) is reported as
-    ``"pipeline:NAME"``."""
+    the model itself) minus noop's, at least 0, goes to ``report`` (as ``"engine"``) before
+    anything is torn down (``report`` leaves the process: see :func:`measure_engine_overhead`).
+    Each of ``pipelines`` (lowband's compressing algorithms, warm-up 0) steps in the same loop;
+    its pipeline thread's CPU inside jobs per measured step (``Pipeline.cpu_s``) goes to
+    ``report`` as ``"pipeline"``."""
     import torch
     import torch.distributed as dist
     import lowband
@@ -459,22 +460,25 @@ def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[
             runs[a] = build(a)
         except ValueError:      # the peer refuses this model (ddp-powersgd: more than one bucket)
             continue
-    for a in pipelines:
-        runs[_PIPELINE + a] = build(a, warmup_steps=0)
+    pipes = {a: build(a, warmup_steps=0) for a in pipelines}
+
+    def pipeline_cpu(a: str) -> float:
+        return pipes[a][1].bound.reducer.pipeline.cpu_s
+
     times: dict[str, list[float]] = {a: [] for a in runs}
     cpu0: dict[str, float] = {}
     for i in range(warmup + steps * rounds):
         if i == warmup:
-            cpu0 = {a: run[1].bound.reducer.pipeline.cpu_s for a, run in runs.items() if a.startswith(_PIPELINE)}
+            cpu0 = {a: pipeline_cpu(a) for a in pipes}
         for a, run in runs.items():
             dt = step(run)
             if i >= warmup:
                 times[a].append(dt)
+        for run in pipes.values():
+            step(run)
     base = _median(times["noop"])
-    out = {a: max(0.0, _median(times[a]) - base) for a in runs if a != "noop" and not a.startswith(_PIPELINE)}
-    for a, c in cpu0.items():
-        out[a] = (runs[a][1].bound.reducer.pipeline.cpu_s - c) / (steps * rounds)
-    report(out)
+    report({"engine": {a: max(0.0, _median(times[a]) - base) for a in runs if a != "noop"},
+            "pipeline": {a: (pipeline_cpu(a) - c) / (steps * rounds) for a, c in cpu0.items()}})
 
 
 def measure_powersgd_hook(shapes: Sequence[Sequence[int]], rank: int, reps: int = 10,
@@ -621,7 +625,7 @@ def _time_codec_per_tensor(name: str, options: dict, flat, sizes: list[int], rep
 
 
 def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str]] = None, reps: int = 20,
-            threads: int = 1, progress=None, malloc: str = "cached") -> Profile:
+            threads: int = 1, progress=None, malloc: str = MALLOC_DEFAULT) -> Profile:
     """A profile of ``model_name`` on this machine (one worker, ``threads`` intra-op threads),
     with this process's C heap in mode ``malloc`` (:mod:`lowband.memory`; from here on), as
     the workers whose steps it models run."""
