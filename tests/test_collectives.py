@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -191,6 +192,64 @@ def _exact_segments(rank: int, world: int, kind: str):
     return checks, same_residuals, inline, comm_a.stats.snapshot()["by_op"]
 
 
+NONFINITE_SEGMENTS = [("w1", 300), ("b1", 7), ("w2", 1001), ("b2", 1), ("w3", 517)]
+NONFINITE_FIXED = [False, True, False, True, False]
+OFFSETS = [0, 300, 307, 1308, 1309]
+# (step, rank, element, value): a coded element, the exact share, a fixed segment, a segment the
+# rank has no gradient for (present False), two ranks at once; step 6 holds huge finite values
+# whose sums overflow (no mark); steps 0 and 7 are clean
+BAD = [(1, 0, 5, float("nan")), (2, 1, 1400, float("inf")), (3, 0, 260, float("-inf")),
+       (4, 1, 303, float("nan")), (5, 0, 1500, float("nan")), (5, 1, 20, float("inf"))]
+ABSENT_STEP, ABSENT_RANK = 5, 0          # w3 absent on rank 0 at step 5, where its NaN sits
+HUGE_STEP = 6
+
+
+def _nonfinite_marks(rank: int, world: int, kind: str, codec: str, options: dict):
+    """The reducer's ``check_finite`` marks (every rank's bad segments, from the message) against
+    the slow reference: per rank and segment, ``torch.isfinite(x[segment]).all()``. Covers
+    the scale proof (scale-aware 2-bit, 1-bit), the sum (MXNet 2-bit), the exact share, fixed
+    and absent segments, and overflowing finite sums."""
+    import lowband.collectives.compressed as collective
+    from lowband.compressors import ErrorFeedback
+    red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(codec, **options)))
+    n = sum(k for _, k in NONFINITE_SEGMENTS)
+    got, want, exact_tests = [], [], []
+    exact_test = collective.nonfinite_segments
+    calls = [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return exact_test(*args)
+    collective.nonfinite_segments = counted
+    clean = None
+    for step in range(8):
+        if clean is not None:     # a NaN leaves NaN residuals: every step starts from step 0's
+            red.load_state_dict(clean)
+        xs = [_inputs(r, step, n) for r in range(world)]
+        for s, r, i, v in BAD:
+            if s == step and r < world:
+                xs[r][i] = v
+        if step == HUGE_STEP:
+            for x in xs:
+                x[310:1300] *= 3e37         # |x| < 1.3e38: finite; sums of 256 overflow
+        present = torch.ones(len(NONFINITE_SEGMENTS), dtype=torch.bool)
+        if step == ABSENT_STEP and rank == ABSENT_RANK:
+            present[4] = False
+        h = red.start(xs[rank], "b", NONFINITE_SEGMENTS, exact=(250, 320) if step in (2, 3) else None,
+                      present=present, exact_segments=NONFINITE_FIXED, check_finite=True)
+        h.wait()
+        clean = red.state_dict() if step == 0 else clean
+        exact_tests.append(calls[0])
+        calls[0] = 0
+        ref = np.array([[not bool(torch.isfinite(x[o:o + k]).all()) for o, (_, k) in zip(OFFSETS, NONFINITE_SEGMENTS)]
+                        for x in xs])
+        got.append(None if h.nonfinite is None else h.nonfinite.tolist())
+        want.append(ref.tolist() if ref.any() else None)
+    red.close()
+    collective.nonfinite_segments = exact_test
+    return got, want, exact_tests
+
+
 def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
     from lowband.compressors import ErrorFeedback
     comm = Communicator()
@@ -208,6 +267,8 @@ def _all_checks(rank: int, world: int, mode: str) -> dict:
             out[(kind, codec, repr(options))] = _matches_reference(rank, world, kind, codec, options)
         out[("present", kind)] = _present_and_exact(rank, world, kind)
         out[("exact_segments", kind)] = _exact_segments(rank, world, kind)
+        for codec, options in CODECS:
+            out[("nonfinite", kind, codec, repr(options))] = _nonfinite_marks(rank, world, kind, codec, options)
     if world == BYTES_WORLD and mode == "auto":
         for codec, options, _ in BYTES_CASES:
             out[("bytes", codec, repr(options))] = _bytes(rank, world, codec, options, BYTES_N)
@@ -273,3 +334,20 @@ def test_two_stage_bytes_per_rank_at_4_workers(codec, options, bound):
     ring = 2 * (BYTES_WORLD - 1) / BYTES_WORLD * 4 * BYTES_N
     for s in sent:
         assert s <= bound * ring, (s / ring)
+
+
+@pytest.mark.parametrize("world, mode", WORLDS)
+@pytest.mark.parametrize("kind", ["allgather", "two-stage"])
+def test_nonfinite_marks_equal_the_per_segment_reference(world, mode, kind):
+    results = _results(world, mode)
+    keys = [k for k in results[0] if isinstance(k, tuple) and k[:2] == ("nonfinite", kind)]
+    assert len(keys) == len(CODECS)
+    for k in keys:
+        proved = mode == "auto" and "threshold" not in k[3]     # native kernels, a codec with scales
+        for rank, (got, want, exact_tests) in enumerate(r[k] for r in results):
+            assert got == want, k
+            assert sum(w is not None for w in want) == 5     # steps 1-5 hold a bad value, 0, 6, 7 none
+            # the scales prove clean steps finite; only a bad value on this rank (or an overflow)
+            # pays for the exact test. Without a proof every step runs it.
+            mine = [any(s == step and r == rank for s, r, _, _ in BAD) or step == HUGE_STEP for step in range(8)]
+            assert exact_tests == ([int(m) for m in mine] if proved else [1] * 8), (k, exact_tests)

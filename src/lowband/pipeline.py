@@ -41,7 +41,6 @@ import torch.distributed as dist
 from .collectives.communicator import Communicator
 from .collectives.compressed import Plan, make_plan, resolve_collective
 from .compressors import Compressor, ErrorFeedback
-from .guard import all_finite
 from .streams import SideStream, cuda_device_of
 
 Segments = Sequence[tuple[str, int]]
@@ -236,21 +235,6 @@ def _host_flags(present: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return None if present is None else present.cpu().numpy()
 
 
-def nonfinite_segments(g: torch.Tensor, segments: Segments) -> Optional[np.ndarray]:
-    """Bool per segment of flat ``g``: it holds a NaN or Inf; None when all are finite (one
-    sum of the whole bucket proves it; only a non-finite sum pays for the per-segment test).
-    On CUDA the test is read back on the pipeline's thread (the marks are host bytes of the
-    message), which stalls that thread until the bucket's gradient is computed, not the
-    compute stream."""
-    if bool(all_finite(g)):
-        return None
-    bad, off = np.zeros(len(segments), dtype=bool), 0
-    for k, (_, n) in enumerate(segments):
-        bad[k] = not bool(all_finite(g[off:off + n]))
-        off += n
-    return bad
-
-
 class CompressedReducer:
     """Compressed averaging of flat fp32 buckets on an ordered pipeline (module docstring).
 
@@ -288,7 +272,7 @@ class CompressedReducer:
         if b is not None:
             if b.segments != segments:
                 raise ValueError(f"bucket {name!r} was started with other segments before")
-            if (b.fixed is None) != (fixed is None) or (fixed is not None and not np.array_equal(b.fixed, fixed)):
+            if (b.fixed is None) != (fixed is None) or (fixed is not None and b.fixed.tobytes() != fixed.tobytes()):
                 raise ValueError(f"bucket {name!r} was started with other exact_segments before")
             return b
         plan = make_plan(self.name, self.world_size, self.rank, segments, self.codec, self.server_codec)
@@ -361,7 +345,6 @@ class CompressedReducer:
     def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False):
         flags = _host_flags(present)
         b = self._bucket(name, segs, g.device, fixed)
-        bad = nonfinite_segments(g, segs) if check_finite else None
         comm = self.pipeline.comm
         exact_work, ex = None, None
         if hi > lo:
@@ -374,7 +357,8 @@ class CompressedReducer:
             exact_work = comm.all_reduce(ex, op=dist.ReduceOp.AVG, async_op=True)
         parts = ([] if b.fixed_index is None else [g.index_select(0, b.fixed_index)]) + ([ex] if inline else [])
         raw = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
-        out, present, mean, nonfinite = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi, raw, b.fixed, bad)
+        out, present, mean, nonfinite = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi, raw, b.fixed,
+                                                     check_finite)
         nf = 0
         if b.fixed_index is not None:
             nf = b.fixed_index.numel()

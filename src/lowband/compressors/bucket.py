@@ -263,31 +263,39 @@ class BucketCodec:
 
     # -- encode ------------------------------------------------------------------------
     def encode(self, g: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-               skip: Optional[np.ndarray] = None) -> None:
+               skip: Optional[np.ndarray] = None) -> Optional[bool]:
         """Encode the flat bucket ``g`` (with error feedback into ``residual`` when given) into
-        the sections of ``out`` (uint8, ``chunks * section`` bytes; flags not written)."""
+        the sections of ``out`` (uint8, ``chunks * section`` bytes; flags not written).
+
+        Returns True when the encode proved every element of ``g`` finite, skipped ones
+        included (the native scale-aware 2-bit and 1-bit kernels: finite scales prove the coded
+        elements, the kernel tests the skipped ones); False when it could not (a NaN or Inf, or
+        sums of huge finite values that overflowed: ask the exact test); None where no proof
+        is made (MXNet's fixed threshold, the torch and Triton paths)."""
         lib = self._lib(g, residual, out)
         tri = None if lib is not None else self._triton(g, residual, out)
         if lib is not None:
-            self._encode_native(lib, g, residual, out, skip)
-        elif tri is not None:
+            return self._encode_native(lib, g, residual, out, skip)
+        if tri is not None:
             tri.encode(self, g, residual, out, skip)
         else:
             self._encode_torch(g, residual, out, skip)
+        return None
 
-    def _encode_native(self, lib, g, residual, out, skip) -> None:
+    def _encode_native(self, lib, g, residual, out, skip) -> Optional[bool]:
         table, n = self._enc_table, self.enc.count
         sk = None if skip is None else skip.ctypes.data
         e = _ptr(residual)
         if self.kind == KIND_TWOBIT:
             lib.lb_twobit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.t, out.data_ptr())
-            return
+            return None
         if self.kind == KIND_TWOBIT_REL:
             rc = lib.lb_twobit_rel_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.a, self.bs, out.data_ptr())
         else:
             rc = lib.lb_onebit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, out.data_ptr())
-        if rc != 0:
+        if rc < 0:
             raise MemoryError("native codec kernel could not allocate its scratch")
+        return rc == 0 if kernels.proves_finite(lib) else None
 
     def _encode_torch(self, g, residual, out, skip) -> None:
         runs, lay = self.enc, self.layout

@@ -94,6 +94,15 @@ def library() -> Optional[ctypes.CDLL]:
     return _lib
 
 
+def proves_finite(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s scale-aware 2-bit and 1-bit encoders return the finiteness proof
+    (``lb_proves_finite``: builds before it return 0 whatever the input)."""
+    flag = getattr(lib, "_lowband_proves_finite", None)
+    if flag is None:
+        flag = lib._lowband_proves_finite = hasattr(lib, "lb_proves_finite")
+    return flag
+
+
 def unavailable_reason() -> Optional[str]:
     """Why the library did not load (None when it did or was never tried)."""
     return _error

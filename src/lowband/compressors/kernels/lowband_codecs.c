@@ -18,6 +18,12 @@
  * All summed terms are >= 0, so extra zero padding never changes a result.
  * Compile with -ffp-contract=off (no FMA) and without -ffast-math.
  *
+ * The scale-aware and 1-bit encoders also tell whether they proved every element of g in their
+ * runs finite (return 0) or not (1): a NaN or Inf among a block's r makes its scale NaN or Inf
+ * (a sum of r^2 or |r| with no max or min in it), so finite scales prove the coded elements
+ * finite, and the skipped elements, which no scale covers, are tested directly. The engine's
+ * NaN/Inf check then costs no pass of its own (lowband/collectives/compressed.py).
+ *
  * The scale-aware encoder has an AVX-512F path (blocks of <= 256 elements held in registers,
  * two full blocks interleaved), chosen at run time from the CPU's features; it performs the
  * same IEEE operations in the same order as the portable C, so the bits agree (tested with
@@ -38,6 +44,23 @@
 #endif
 
 enum { RUN_SRC = 0, RUN_LEN = 1, RUN_C = 2, RUN_WORD = 3, RUN_SCALE = 4, RUN_COLS = 5 };
+
+/* present in builds whose encoders return the finiteness proof (older builds return 0 always) */
+int lb_proves_finite(void) { return 1; }
+
+/* 1 unless every x[0..n) is finite and n >= 0 (NaN fails the compare); no early exit, so it
+ * vectorizes */
+static int any_nonfinite(const float *x, int64_t n) {
+    int bad = 0;
+    for (int64_t j = 0; j < n; ++j) bad |= !(fabsf(x[j]) <= FLT_MAX);
+    return bad;
+}
+
+/* 1 unless the skipped elements [lo, hi) of a run of len real elements at g + src are finite */
+static int skipped_nonfinite(const float *g, int64_t src, int64_t len, int64_t lo, int64_t hi) {
+    int64_t a = lo > 0 ? lo : 0, b = hi < len ? hi : len;
+    return b > a ? any_nonfinite(g + src + a, b - a) : 0;
+}
 
 /* the canonical fold of x[0..2w) (w a power of two <= 128), from level w down: every level has
  * a constant trip count, so the compiler unrolls and vectorizes it (a loop over w did not: its
@@ -600,7 +623,7 @@ int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t 
     float stack[3 * 1024];
     float *scratch = maxL <= 1024 ? stack : (float *)malloc((size_t)(3 * maxL) * sizeof(float));
     if (!scratch) return -1;
-    int vec = simd(), pair = vec && total <= LB_PAIR_MAX_ELEMS;
+    int vec = simd(), pair = vec && total <= LB_PAIR_MAX_ELEMS, unproven = 0;
     (void)vec, (void)pair;
     for (int64_t k = 0; k < nruns; ++k) {
         const int64_t *r = runs + RUN_COLS * k;
@@ -626,9 +649,11 @@ int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t 
 #endif
             scales[b] = rel_block(g, e, r[RUN_SRC], r[RUN_LEN], lo, hi, b0, L, a, words, scratch);
         }
+        unproven |= any_nonfinite(scales, (c + B - 1) / B);
+        unproven |= skipped_nonfinite(g, r[RUN_SRC], r[RUN_LEN], lo, hi);
     }
     if (scratch != stack) free(scratch);
-    return 0;
+    return unproven;
 }
 
 /* ---------------------------------------------------------------- 1-bit with scale */
@@ -671,6 +696,7 @@ int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nrun
     if (!part) return -1;
     uint8_t bits[GROUP];
     float row[ROW];
+    int unproven = 0;
     for (int64_t k = 0; k < nruns; ++k) {
         const int64_t *r = runs + RUN_COLS * k;
         int64_t src = r[RUN_SRC], len = r[RUN_LEN], c = r[RUN_C];
@@ -708,9 +734,10 @@ int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nrun
             pack_bits8(bits, m, words + j0 / 8);
         }
         *(float *)(dst + r[RUN_SCALE]) = scale;
+        unproven |= any_nonfinite(&scale, 1) | skipped_nonfinite(g, src, len, lo, hi);
     }
     free(part);
-    return 0;
+    return unproven;
 }
 
 /* ---------------------------------------------------------------- decode (+ accumulate) */
