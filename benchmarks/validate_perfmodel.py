@@ -22,7 +22,10 @@ What is predicted and what is taken from the run under test:
   all-reduces after each backward, each timed on every rank: the first gives the least time of
   the collective that ends a step (``step_sync_s``: the later rank's arrival after a whole
   step), the second what a tiny collective right behind another costs (``exchange_s``, charged
-  for the engine's finiteness exchange); ``report --no-step-sync`` predicts without them;
+  for the engine's finiteness exchange); then a chain of three 256-byte all-reduces, each after
+  the first launched and waited for inside the previous one's future callback, as PyTorch's
+  PowerSGD hook launches its P and Q all-reduces (``chained_s``: each link's time from its
+  launch, charged to ddp-powersgd's P and Q); ``report --no-step-sync`` predicts without them;
 * known from the link's set-up: tc tbf's bucket depth (``lowband.netem.auto_burst`` of the
   rate, the default every bench run uses; ``--no-burst`` predicts with a plain rate limit);
 * measured in the same bench run: the compute-only (`noop`) step time, which gives the
@@ -209,6 +212,33 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
     dist.destroy_process_group()
 
 
+#: the step probe's chain (:func:`chain`): its all-reduces and their fp32 elements each
+CHAIN_LINKS, CHAIN_FLOATS = 3, 64
+
+
+def chain(links: list) -> list[float]:
+    """PyTorch's communication-hook chain, as ``powerSGD_hook`` builds it: an all-reduce
+    launched asynchronously, then each next one launched and waited for inside the previous
+    one's future callback (on gloo's thread: ``fut.then(cb)``, ``cb`` calls
+    ``all_reduce(async_op=True).get_future().wait()``). The seconds from each callback's launch
+    to its all-reduce's end (the first all-reduce, launched by the caller, is not timed)."""
+    import torch.distributed as dist
+    spans: list[float] = []
+
+    def link(k: int):
+        def callback(_fut):
+            t0 = time.perf_counter()
+            value = dist.all_reduce(links[k], async_op=True).get_future().wait()[0]
+            spans.append(time.perf_counter() - t0)
+            return value
+        return callback
+    fut = dist.all_reduce(links[0], async_op=True).get_future()
+    for k in range(1, len(links)):
+        fut = fut.then(link(k))
+    fut.wait()
+    return spans
+
+
 def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
     """One rank of the step-meeting probe, on the emulated link: ``rounds`` x ``steps``
     training steps of the validated model (forward, backward, an SGD step, on one random batch
@@ -219,8 +249,11 @@ def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
     blocks do); averaged over the ranks, that is what the slowest rank adds to a synchronous
     step beyond the mean rank's compute (what the noop run measures). The second, right behind
     the first, is what a collective costs when the ranks have just met (the engine's finiteness
-    exchange after a synchronous algorithm's last collective, a hook's chained all-reduces).
-    Timed inside one loop, so the machine's drift between loops does not enter."""
+    exchange after a synchronous algorithm's last collective). Then the hook chain
+    (:func:`chain`): its second and third all-reduces, each launched and waited for inside the
+    previous one's callback, timed from their launch (what PowerSGD's P and Q all-reduces cost;
+    at 4 workers on 2 cores several times the all-reduce right behind another). Timed inside
+    one loop, so the machine's drift between loops does not enter."""
     import torch
     import torch.distributed as dist
     from lowband.models import make_model
@@ -232,10 +265,11 @@ def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = example_batch(model_name, model, 64)
     flag = torch.zeros(1)
-    out = {"steps": steps, "first": [], "second": []}
+    links = [torch.zeros(CHAIN_FLOATS) for _ in range(CHAIN_LINKS)]
+    out = {"steps": steps, "first": [], "second": [], "chained": []}
     for r in range(rounds + 1):           # round 0 warms up
         dist.barrier()
-        first, second = [], []
+        first, second, chained = [], [], []
         for _ in range(steps):
             opt.zero_grad()
             loss(model(x), y).backward()
@@ -245,10 +279,12 @@ def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
             dist.all_reduce(flag)
             second.append(time.perf_counter() - t1)
             first.append(t1 - t0)
+            chained.append(chain(links))
             opt.step()
         if r:
             out["first"].append(first)
             out["second"].append(second)
+            out["chained"].append(chained)
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
@@ -280,9 +316,13 @@ def step_probe_costs(outs: list[dict]) -> dict:
     session's probes), and the ranks' means came out 11-214% above their medians."""
     rounds = len(outs[0]["first"])
 
-    def cost(key: str) -> float:
-        return statistics.median(statistics.mean(statistics.median(o[key][i]) for o in outs) for i in range(rounds))
-    return {"step_sync_s": cost("first"), "met_again_s": cost("second")}
+    def cost(pick) -> float:
+        return statistics.median(statistics.mean(statistics.median(pick(o, i)) for o in outs) for i in range(rounds))
+    costs = {"step_sync_s": cost(lambda o, i: o["first"][i]), "met_again_s": cost(lambda o, i: o["second"][i])}
+    if "chained" in outs[0]:       # runs before the chain was probed have none
+        links = len(outs[0]["chained"][0][0])
+        costs["chained_s"] = [cost(lambda o, i: [c[k] for c in o["chained"][i]]) for k in range(links)]
+    return costs
 
 
 def _probe_ranks(link: str, world: int, argv: list[str]) -> list[dict]:
@@ -415,6 +455,8 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
     step_sync_s = costs.get("step_sync_s", 0.0)
     # the engine's finiteness exchange: a tiny all-reduce right behind another, as the probe timed it
     exchange_s = costs.get("met_again_s")
+    # a hook's callback-launched all-reduces (PowerSGD's P and Q), as the probe's chain timed them
+    chained_s = tuple(costs.get("chained_s", ()))
     rounds = pair_rounds(group_dir, results, meta["link"], world)
     for spec in [a for a in rounds[0] if a != "noop"]:
         name, _ = parse_algorithm(spec)
@@ -439,7 +481,8 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
             est = estimate(profile, name, opts, Cluster(world, network, compute_scale=scale,
                                                         comm_cpu_s_per_byte=cpu_s_per_byte, sync_s=sync_s,
-                                                        step_sync_s=step_sync_s, exchange_s=exchange_s))
+                                                        step_sync_s=step_sync_s, exchange_s=exchange_s,
+                                                        chained_s=chained_s))
             # without the noop calibration: contention assumed = workers per core (at least 1)
             raw = estimate(profile, name, opts,
                            Cluster(world, network, compute_scale=max(1.0, world / (os.cpu_count() or 1))))
@@ -468,6 +511,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             "note": "; ".join(dict.fromkeys(x["note"] for x in middle if x["note"])),
             "cpu_ns_per_byte": 1e9 * cpu_s_per_byte, "sync_ms": 1e3 * sync_s, "step_sync_ms": 1e3 * step_sync_s,
             "exchange_ms": None if exchange_s is None else 1e3 * exchange_s,
+            "chained_ms": [1e3 * x for x in chained_s],
             "contention": bool(contention and "contention" in pr), "burst_bytes": burst_bytes,
             "commit": meta["commit"], "load": f"{meta['load_before']} / {meta['load_after']}",
             "command": meta["command"], "date": meta["date"], "raw_ms": 1e3 * avg(lambda x: x["raw"].step_s)})
@@ -507,7 +551,11 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
             else "per-byte CPU of an all-reduce on an idle machine; no synchronization cost")
     stepsync = ("the least time of the collective that ends a step (step sync) and the cost of the engine's "
                 "finiteness exchange (exchange), both from the step probe (two 4-byte all-reduces after each of the "
-                "model's own training steps, each timed on every rank)" if any(r.get("step_sync_ms") for r in rows)
+                "model's own training steps, each timed on every rank)"
+                + (", and the least time of a hook's callback-launched all-reduces (chained: links 1 and 2 of the "
+                   "probe's chain, as PyTorch's PowerSGD hook launches P's and Q's; runs before it have none)"
+                   if any(r.get("chained_ms") for r in rows) else "")
+                if any(r.get("step_sync_ms") for r in rows)
                 else "no step-end meeting cost and the finiteness exchange at the network's all-reduce time "
                      "(`net`: runs without the step probe, or `--no-step-sync`)")
     lines = [
@@ -529,8 +577,8 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         "",
         "| link | workers | algorithm | measured ms | mean ms | predicted ms | error | predicted exposed ms | "
         "rounds | MB/step measured | MB/step predicted | compute scale | latency us | link eff. | gloo CPU ns/B | "
-        "sync ms | step sync ms | exchange ms | load | note |",
-        "|" + "---|" * 20,
+        "sync ms | step sync ms | exchange ms | chained ms | load | note |",
+        "|" + "---|" * 21,
     ]
     for r in rows:
         flag = "" if abs(r["error"]) <= TARGET else " **miss**"
@@ -539,7 +587,8 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
             f"{r['predicted_ms']:.1f} | {r['error']:+.1%}{flag} | {r['predicted_exposed_ms']:.1f} | "
             f"{', '.join(f'{e:+.0%}' for e in r.get('round_errors', [r['error']]))} | "
             f"{r['measured_mb']:.3f} | {r['predicted_mb']:.3f} | {r['scale']:.2f} | {r['latency_us']:.0f} | "
-            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r.get('sync_ms', 0.0):.2f} | {r.get('step_sync_ms', 0.0):.2f} | {_ms(r.get('exchange_ms'))} | {r['load'].split(' / ')[0].split()[0]} / "
+            f"{r['efficiency']:.2f} | {r['cpu_ns_per_byte']:.2f} | {r.get('sync_ms', 0.0):.2f} | {r.get('step_sync_ms', 0.0):.2f} | {_ms(r.get('exchange_ms'))} | "
+            f"{' / '.join(f'{x:.2f}' for x in r.get('chained_ms', [])) or '-'} | {r['load'].split(' / ')[0].split()[0]} / "
             f"{r['load'].split(' / ')[1].split()[0]} | {r['note']} |")
     return "\n".join(lines)
 

@@ -489,6 +489,37 @@ def test_the_collective_that_ends_a_step_waits_for_the_later_rank_unless_its_byt
         Cluster(2, net, step_sync_s=-1.0)
 
 
+def test_a_hooks_chained_all_reduces_take_at_least_the_chains_measured_time():
+    """``chained_s``: PowerSGD's P and Q all-reduces (links 1 and 2 of the hook's callback chain)
+    complete no earlier than ``chained_s[0]`` / ``chained_s[1]`` after their launch. On a free
+    network with free phases each adds its floor whole; one worker meets nobody; an all-reduce
+    whose bytes take longer than the floor absorbs it; a short tuple repeats its last entry."""
+    import dataclasses
+    hook = make_profile([2048, 8], [0.01, 0.0], forward=0.005, optimizer=0.001)
+    hook.params[0] = dataclasses.replace(hook.params[0], shape=[64, 32])
+    hook = dataclasses.replace(hook, powersgd_hook_s={"2": [0.0, 0.0, 0.0]})
+    free = Network(1e15, 0.0)
+    off = {"nonfinite": "off"}
+    p_floor, q_floor = 0.003, 0.005
+    assert estimate(hook, "ddp-powersgd", off, Cluster(2, free, chained_s=(p_floor, q_floor))).step_s == \
+        pytest.approx(hook.compute_s + p_floor + q_floor)
+    assert estimate(hook, "ddp-powersgd", off, Cluster(2, free, chained_s=(p_floor,))).step_s == \
+        pytest.approx(hook.compute_s + 2 * p_floor)
+    assert estimate(hook, "ddp-powersgd", off, Cluster(1, free, chained_s=(p_floor, q_floor))).step_s == \
+        pytest.approx(hook.compute_s)
+    # P: 64 x 2 fp32 = 512 B, Q: 32 x 2 = 256 B; at 1 kB/s (8000 bit/s) a 2-rank ring moves 2(N-1)/N x
+    # the bytes: 0.512 s and 0.256 s, both above the floors, which then change nothing
+    slow = Network(8000.0, 0.0)
+    assert estimate(hook, "ddp-powersgd", off, Cluster(2, slow, chained_s=(p_floor, q_floor))).step_s == \
+        pytest.approx(estimate(hook, "ddp-powersgd", off, Cluster(2, slow)).step_s)
+    # other algorithms have no callback chain
+    for name in ("ssgd", "ddp", "lazy"):
+        assert estimate(hook, name, off, Cluster(2, free, chained_s=(1.0, 1.0))).step_s == \
+            pytest.approx(estimate(hook, name, off, Cluster(2, free)).step_s), name
+    with pytest.raises(ValueError, match="chained_s"):
+        Cluster(2, free, chained_s=(0.001, -1.0))
+
+
 def test_synchronous_algorithms_pay_the_engines_finiteness_exchange():
     """Under ``nonfinite="raise"`` (the default) a synchronous algorithm's step has one more
     collective, the engine's check (an int64 per rank), before the optimizer: after DDP's

@@ -1,0 +1,58 @@
+"""The performance model's validation probes (benchmarks/validate_perfmodel.py): the hook chain
+really chains all-reduces through future callbacks, and the step probe's costs are the medians
+the docstring describes."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from .distributed import run_distributed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import validate_perfmodel as validate  # noqa: E402
+
+
+def _chain(rank: int, world: int):
+    import threading
+    import torch
+    links = [torch.full((validate.CHAIN_FLOATS,), float(rank + 1 + 10 * k)) for k in range(validate.CHAIN_LINKS)]
+    main = threading.get_ident()
+    threads = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def spy(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return real_all_reduce(*args, **kwargs)
+    torch.distributed.all_reduce = spy
+    try:
+        spans = validate.chain(links)
+    finally:
+        torch.distributed.all_reduce = real_all_reduce
+    return spans, [float(t[0]) for t in links], [t == main for t in threads]
+
+
+def test_the_hook_chain_launches_each_link_from_the_previous_ones_callback():
+    world = 2
+    for spans, sums, on_main in run_distributed(_chain, world):
+        assert len(spans) == validate.CHAIN_LINKS - 1 and all(s > 0 for s in spans)
+        # every link is a real all-reduce of every rank's tensor
+        assert sums == [sum(r + 1 + 10 * k for r in range(world)) for k in range(validate.CHAIN_LINKS)]
+        # the first from the caller's thread, the others from a callback on another thread
+        assert on_main == [True] + [False] * (validate.CHAIN_LINKS - 1)
+
+
+def test_step_probe_costs_are_medians_of_rank_means_of_step_medians():
+    # 2 ranks, 3 rounds of 3 steps; chained: 2 links per step
+    ranks = [{"first": [[1, 2, 9], [4, 4, 4], [1, 1, 1]], "second": [[0, 0, 0]] * 3,
+              "chained": [[[1, 5], [2, 6], [3, 7]]] * 3},
+             {"first": [[3, 3, 3], [2, 6, 6], [9, 9, 1]], "second": [[1, 1, 1]] * 3,
+              "chained": [[[3, 1], [3, 1], [3, 1]]] * 3}]
+    costs = validate.step_probe_costs(ranks)
+    # first: rounds' rank means (2+3)/2, (4+6)/2, (1+9)/2 = 2.5, 5, 5 -> median 5
+    assert costs["step_sync_s"] == pytest.approx(5.0)
+    assert costs["met_again_s"] == pytest.approx(0.5)
+    assert costs["chained_s"] == pytest.approx([(2 + 3) / 2, (6 + 1) / 2])
+    # runs from before the chain: no chained costs
+    assert "chained_s" not in validate.step_probe_costs([{k: r[k] for k in ("first", "second")} for r in ranks])
