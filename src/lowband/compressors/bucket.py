@@ -295,7 +295,7 @@ class BucketCodec:
             rc = lib.lb_onebit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, out.data_ptr())
         if rc < 0:
             raise MemoryError("native codec kernel could not allocate its scratch")
-        return rc == 0 if kernels.proves_finite(lib) else None
+        return rc == 0 if lib.proves_finite else None
 
     def _encode_torch(self, g, residual, out, skip) -> None:
         runs, lay = self.enc, self.layout

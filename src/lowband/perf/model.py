@@ -14,7 +14,7 @@ For one representative worker (all workers are symmetric) the model builds, per 
   workers), on a ``codec`` resource of its own otherwise;
 * lowband's compressed collectives run their whole pipeline on one background thread, so the
   codec and network tasks of successive buckets form one serial chain; that thread's CPU
-  beyond the codec (flags, finiteness test, buffers, Python), which the profile measures per
+  beyond the codec (flags, buffers, the collective's call, Python), which the profile measures per
   step at one rank (``pipeline_cpu_s``), rides with each compressed bucket's encode.
 
 Each algorithm's dependency rules say which of these the next step waits for (module
@@ -195,10 +195,15 @@ class _Step:
         step: it completes no earlier than ``Cluster.step_sync_s`` after the launch (the
         later rank's arrival; a pure delay, on no resource, so a collective that is still
         moving bytes by then absorbs it)."""
-        if self.N <= 1 or self.c.step_sync_s <= 0:
-            return collective
-        lag = self.g.add(f"{name}/later rank", None, self.c.step_sync_s, [launch])
-        return self.g.marker(f"{name}/met", [collective, lag])
+        return self._at_least(f"{name}/later rank", collective, [launch], self.c.step_sync_s)
+
+    def _at_least(self, name: str, task: int, deps, seconds: float) -> int:
+        """``task``, completed no earlier than ``seconds`` after ``deps`` (a pure delay on no
+        resource beside it; nothing to wait for with one worker or no delay)."""
+        if self.N <= 1 or seconds <= 0:
+            return task
+        lag = self.g.add(name, None, seconds, deps)
+        return self.g.marker(f"{name}/met", [task, lag])
 
     def chained(self, name: str, nbytes: float, deps, link: int) -> int:
         """An all-reduce of ``nbytes`` launched when ``deps`` are done from inside the previous
@@ -207,11 +212,8 @@ class _Step:
         delay, on no resource, like :meth:`ends_step`'s), nor before its bytes have moved."""
         collective = self.allreduce(name, nbytes, deps)
         floors = self.c.chained_s
-        if self.N <= 1 or not floors:
-            return collective
-        floor = floors[min(link, len(floors)) - 1]
-        lag = self.g.add(f"{name}/in a callback", None, floor, deps)
-        return self.g.marker(f"{name}/done", [collective, lag])
+        floor = floors[min(link, len(floors)) - 1] if floors else 0.0
+        return self._at_least(f"{name}/in a callback", collective, deps, floor)
 
     def finiteness_exchange(self, s: int, o: dict, deps) -> Optional[int]:
         """The engine's non-finite gradient check (:mod:`lowband.guard`) for an algorithm that
@@ -288,7 +290,7 @@ class _Step:
         profile's ``pipeline_cpu_s[kind]`` (its thread's CPU inside jobs per step, one rank)
         less what the model charges the codec at one rank for the same buckets (encode, decode
         of one payload), shared among the compressed buckets; 0 without a measurement. The
-        flags, the finiteness test, buffers, the collective's call and Python between them:
+        flags, buffers, the collective's call and Python between them:
         a fixed cost per step that the codec's throughputs do not hold."""
         measured = self.p.pipeline_cpu_s.get(kind, 0.0)
         coded = [g for g in groups if _exact_bytes(self, g, compress_vectors) < self.nbytes(g)]

@@ -21,7 +21,7 @@ A profile is a small JSON document (``FORMAT``):
   compute-only step in one process with no peer (:func:`measure_engine_overhead`);
   ``pipeline_cpu_s`` (optional): per lowband algorithm that compresses on its pipeline's
   thread (``compressed``, ``cpsgd``), the CPU seconds per step that thread spends inside its
-  jobs (codec calls, the collective's call, flags, finiteness test, buffers: ``Pipeline.cpu_s``),
+  jobs (codec calls, the collective's call, flags, buffers: ``Pipeline.cpu_s``),
   in the same process and loop, warm-up 0;
 * ``codecs``: per compressor, encode-with-error-feedback and decode throughput (GB/s of fp32
   input, i.e. ``4 * numel / seconds``) plus a fixed cost per call (per segment of a bucket),

@@ -49,6 +49,8 @@ def open_library(path: str) -> ctypes.CDLL:
     for name, (res, args) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+    # builds before lb_proves_finite return 0 from the encoders whatever the input
+    lib.proves_finite = hasattr(lib, "lb_proves_finite")
     return lib
 
 
@@ -92,15 +94,6 @@ def library() -> Optional[ctypes.CDLL]:
     if _lib is None and m == "native":
         raise RuntimeError(f"{ENV}=native but {_error}")
     return _lib
-
-
-def proves_finite(lib: ctypes.CDLL) -> bool:
-    """Whether ``lib``'s scale-aware 2-bit and 1-bit encoders return the finiteness proof
-    (``lb_proves_finite``: builds before it return 0 whatever the input)."""
-    flag = getattr(lib, "_lowband_proves_finite", None)
-    if flag is None:
-        flag = lib._lowband_proves_finite = hasattr(lib, "lb_proves_finite")
-    return flag
 
 
 def unavailable_reason() -> Optional[str]:
