@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lowband.compressors import kernels, make_compressor
-from lowband.compressors.bucket import BucketCodec, ChunkedLayout, _ChunkFormat, mean_rows, skip_ranges
+from lowband.compressors.bucket import BucketCodec, ChunkedLayout, ExactSpans, _ChunkFormat, mean_rows, skip_ranges
 from lowband.compressors.sums import canonical_sum
 
 CODECS = [
@@ -333,6 +333,54 @@ def test_mean_rows_native_equals_rank_order_loop(rows, n, pad, seed, divisor):
     finally:
         kernels.mode = kernels_mode
     assert torch.equal(_bits(native), _bits(ref)) and torch.equal(_bits(fallback), _bits(ref))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=8), data=st.data(), rows=st.integers(1, 5),
+       pad=st.integers(0, 3), flush=st.booleans(), with_residual=st.booleans(), seed=st.integers(0, 2**20))
+def test_exact_spans_native_and_torch_equal_an_element_loop(sizes, data, rows, pad, flush, with_residual, seed):
+    """The exact elements of an exchange: gathered into a message (the share flushing the
+    residual) and their rank-order mean scattered back (the share after the segments, winning
+    where they overlap), natively and through torch, equal to a per-element loop."""
+    _lib()
+    n = sum(sizes)
+    seg_off = np.cumsum([0] + sizes[:-1]).astype(np.int64)
+    fixed = np.array(data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes))))
+    lo = data.draw(st.integers(0, n))
+    hi = data.draw(st.integers(lo, n))
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen) * 100
+    e0 = torch.randn(n, generator=gen) if with_residual else None
+    order = [k for o, c, f in zip(seg_off, sizes, fixed) if f for k in range(int(o), int(o) + c)] + list(range(lo, hi))
+    ref_msg = [float(np.float32(g[k]) + np.float32(e0[k])) if (with_residual and flush and j >= len(order) - (hi - lo))
+               else float(g[k]) for j, k in enumerate(order)]
+    received = torch.randn(rows, len(order) + pad, generator=gen)[:, pad:]
+    ref_out = torch.full((n,), 7.0)
+    for j, k in enumerate(order):                 # later wins
+        acc = received[0, j].clone()
+        for q in range(1, rows):
+            acc = acc + received[q, j]
+        ref_out[k] = acc / rows if rows != 1 else acc
+    ref_e = None if e0 is None else e0.clone()
+    if ref_e is not None and flush:
+        ref_e[lo:hi] = 0.0
+    for mode in ("native", "torch"):
+        spans = ExactSpans(seg_off, np.array(sizes, dtype=np.int64), fixed if fixed.any() else None, lo, hi, flush)
+        assert spans.count == len(order)
+        e = None if e0 is None else e0.clone()
+        out = torch.full((n,), 7.0)
+        kernels_mode = kernels.mode
+        try:
+            if mode == "torch":
+                kernels.mode = lambda: "torch"
+            msg = spans.gather(g, e)
+            spans.scatter_mean(received, float(rows), out)
+        finally:
+            kernels.mode = kernels_mode
+        assert torch.equal(_bits(msg), _bits(torch.tensor(ref_msg, dtype=torch.float32))), mode
+        assert torch.equal(_bits(out), _bits(ref_out)), mode
+        if e is not None:
+            assert torch.equal(_bits(e), _bits(ref_e)), mode
 
 
 def test_kernel_mode_variable(monkeypatch):

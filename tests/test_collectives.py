@@ -351,3 +351,47 @@ def test_nonfinite_marks_equal_the_per_segment_reference(world, mode, kind):
             # pays for the exact test. Without a proof every step runs it.
             mine = [any(s == step and r == rank for s, r, _, _ in BAD) or step == HUGE_STEP for step in range(8)]
             assert exact_tests == ([int(m) for m in mine] if proved else [1] * 8), (k, exact_tests)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_flag_bytes_native_equal_the_numpy_path(seed, monkeypatch):
+    """The flag bytes written into every section and read back from every row (present OR,
+    per-row non-finite marks, the all-clean shortcut), natively and through numpy views."""
+    from lowband.collectives import compressed as cc
+    from lowband.compressors.bucket import ChunkedLayout, _ChunkFormat
+    if kernels.library() is None or not kernels.library().has_flags:
+        pytest.fail("native kernels with the flag functions missing (reinstall with a C compiler)")
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 9))
+    lay = ChunkedLayout.build([(f"s{i}", int(rng.integers(1, 300))) for i in range(S)], int(rng.integers(1, 4)),
+                              _ChunkFormat(make_compressor("2bit", relative=1.0)))
+    rows = int(rng.integers(1, 5))
+    flags = None if seed % 3 == 0 else rng.random(S) < 0.7
+    bad = None if seed % 2 == 0 else rng.random(S) < 0.3
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(kernels, "mode", lambda: "torch")
+        send = torch.full((lay.chunks * lay.section,), 0xAB, dtype=torch.uint8)
+        cc._write_flags(send, lay, flags, bad)
+        # a message of `rows` sections (the first is this rank's), `stride` bytes apart
+        stride = lay.section + 8
+        msg = torch.zeros(rows * stride, dtype=torch.uint8)
+        for r in range(rows):
+            msg[r * stride:r * stride + lay.section] = send[:lay.section]
+        if rows > 1 and seed % 4 == 1:      # another rank lacks a segment and marks one bad
+            msg[stride + lay.flag_off] = 0
+            msg[stride + lay.flag_off + S - 1] |= cc.NONFINITE_FLAG
+        present, marks = cc._read_flags(msg, lay, stride)
+        results.append((send.clone(), present, None if marks is None else marks.copy()))
+    (s1, p1, m1), (s2, p2, m2) = results
+    assert torch.equal(s1, s2)
+    assert np.array_equal(p1, p2) and p1.dtype == p2.dtype == bool
+    assert (m1 is None) == (m2 is None) and (m1 is None or np.array_equal(m1, m2))
+    # against the obvious reading
+    byte = np.full(S, cc.PRESENT_FLAG, np.uint8) if flags is None else flags.astype(np.uint8)
+    if bad is not None:
+        byte |= bad.astype(np.uint8) * cc.NONFINITE_FLAG
+    assert np.array_equal(s1.numpy().reshape(-1, lay.section)[:, lay.flag_off:lay.flag_off + S],
+                          np.tile(byte, (lay.chunks, 1)))
+    assert not s1.numpy().reshape(-1, lay.section)[:, lay.flag_off + S:].any()

@@ -202,14 +202,13 @@ class Pipeline:
 @dataclass
 class _Bucket:
     """Per-bucket state of the reducer: its plan, residuals and exact segments (``fixed``: bool
-    per segment, or None; ``fixed_index``: their elements in the bucket)."""
+    per segment, or None)."""
 
     segments: list[tuple[str, int]]
     plan: Plan
     e_worker: Optional[torch.Tensor]
     e_server: Optional[torch.Tensor]
     fixed: Optional[np.ndarray] = None
-    fixed_index: Optional[torch.Tensor] = None
 
 
 def _check_segments(tensor: torch.Tensor, name: str, segments: Optional[Segments]) -> list[tuple[str, int]]:
@@ -229,10 +228,19 @@ def _present(present: Optional[torch.Tensor], count: int) -> Optional[torch.Tens
     return present.detach().reshape(-1).to(torch.bool, copy=True)
 
 
-def _host_flags(present: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+def _present_for_job(present: Optional[torch.Tensor], count: int) -> "Optional[torch.Tensor | np.ndarray]":
+    """:func:`_present` for a compressed job: on the CPU already the numpy array the job reads
+    (made on the caller's thread, not on the pipeline's cold one); on CUDA the device copy."""
+    flags = _present(present, count)
+    return flags.numpy() if flags is not None and flags.device.type == "cpu" else flags
+
+
+def _host_flags(present: "Optional[torch.Tensor | np.ndarray]") -> Optional[np.ndarray]:
     """``present`` as a numpy bool array (on CUDA, a read-back on the pipeline's thread: the
     flags decide on the host which chunks are coded)."""
-    return None if present is None else present.cpu().numpy()
+    if present is None or isinstance(present, np.ndarray):
+        return present
+    return present.cpu().numpy()
 
 
 class CompressedReducer:
@@ -278,12 +286,7 @@ class CompressedReducer:
         plan = make_plan(self.name, self.world_size, self.rank, segments, self.codec, self.server_codec)
         e_worker = torch.zeros(plan.numel, dtype=torch.float32, device=device) if self.error_feedback else None
         e_server = torch.zeros(plan.server_numel, dtype=torch.float32, device=device) if plan.server_numel else None
-        fixed_index = None
-        if fixed is not None:
-            lay = plan.layout
-            fixed_index = torch.from_numpy(np.concatenate(
-                [np.arange(o, o + n, dtype=np.int64) for o, n, f in zip(lay.seg_off, lay.numel, fixed) if f])).to(device)
-        b = _Bucket(segments, plan, e_worker, e_server, fixed, fixed_index)
+        b = _Bucket(segments, plan, e_worker, e_server, fixed)
         self._buckets[name] = b
         self._restore(b)
         return b
@@ -339,32 +342,23 @@ class CompressedReducer:
                 fixed = None          # nothing exact: the same bucket as without exact_segments
         flat = tensor.detach().reshape(-1)
         snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
-        return self.pipeline.submit(self._run, name, segs, snapshot, _present(present, len(segs)), lo, hi,
+        return self.pipeline.submit(self._run, name, segs, snapshot, _present_for_job(present, len(segs)), lo, hi,
                                     flush_exact, fixed, check_finite)
 
     def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False):
         flags = _host_flags(present)
         b = self._bucket(name, segs, g.device, fixed)
         comm = self.pipeline.comm
+        # the exact values ride in the bucket's message where the plan carries them at fp32
+        # all-reduce cost; else the share goes in an fp32 all-reduce beside it
+        inline = b.plan.inline_exact
         exact_work, ex = None, None
-        if hi > lo:
-            ex = g[lo:hi].clone()
-            if flush_exact and b.e_worker is not None:
-                ex.add_(b.e_worker[lo:hi])
-                b.e_worker[lo:hi].zero_()
-        inline = ex is not None and b.plan.inline_exact
-        if ex is not None and not inline:
+        if hi > lo and not inline:
+            ex = b.plan.exact_spans(lo, hi, flush_exact, None).gather(g, b.e_worker)
             exact_work = comm.all_reduce(ex, op=dist.ReduceOp.AVG, async_op=True)
-        parts = ([] if b.fixed_index is None else [g.index_select(0, b.fixed_index)]) + ([ex] if inline else [])
-        raw = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
-        out, present, mean, nonfinite = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi, raw, b.fixed,
-                                                     check_finite)
-        nf = 0
-        if b.fixed_index is not None:
-            nf = b.fixed_index.numel()
-            out.index_copy_(0, b.fixed_index, mean[:nf])
-        if inline:        # after the exact segments: a flushed residual in the share wins
-            out[lo:hi] = mean[nf:]
+        spans = b.plan.exact_spans(lo, hi if inline else lo, flush_exact, b.fixed)
+        out, present, nonfinite = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi,
+                                             spans if spans.count else None, b.fixed, check_finite)
         if exact_work is not None:
             exact_work.wait()
             out[lo:hi] = ex

@@ -29,13 +29,14 @@ of its own (the engine's finiteness decision rides on the message: :mod:`lowband
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..compressors import Compressor
-from ..compressors.bucket import BucketCodec, ChunkedLayout, Segments, _ChunkFormat, mean_rows, skip_ranges
+from ..compressors import Compressor, kernels
+from ..compressors.bucket import BucketCodec, ChunkedLayout, ExactSpans, Segments, _ChunkFormat, mean_rows, skip_ranges
 from ..guard import all_finite
 from .communicator import Communicator
 
@@ -48,8 +49,19 @@ AUTO_ALLGATHER_MAX_WORLD = 4
 PRESENT_FLAG = 1
 #: bit of a segment's flag byte: this rank's gradient of the segment was not finite
 NONFINITE_FLAG = 2
-#: skip tables a plan keeps (``Plan.worker_skip``); more distinct ones empty the cache
+#: skip tables and exact-span tables a plan keeps (``Plan.worker_skip``, ``Plan.exact_spans``);
+#: more distinct ones empty the cache
 SKIP_CACHE = 64
+
+
+def _cached(cache: dict, key, build):
+    """``cache[key]``, built by ``build()`` on a miss; a full cache (``SKIP_CACHE``) is emptied first."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= SKIP_CACHE:
+            cache.clear()
+        found = cache[key] = build()
+    return found
 
 
 def resolve_collective(kind: str, world_size: int) -> str:
@@ -70,12 +82,40 @@ def resolve_collective(kind: str, world_size: int) -> str:
     return kind
 
 
+def _flag_library(buf: torch.Tensor):
+    """The native library when it has the flag functions and ``buf`` is a contiguous CPU byte
+    buffer: one call where numpy's views took 40-70 us of the pipeline's cold thread per job."""
+    if buf.device.type != "cpu" or not buf.is_contiguous():
+        return None
+    lib = kernels.library()
+    return lib if lib is not None and getattr(lib, "has_flags", False) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _clean_flags(segments: int) -> np.ndarray:
+    """The flag bytes of a rank that produced every segment, all finite (read-only)."""
+    byte = np.full(segments, PRESENT_FLAG, dtype=np.uint8)
+    byte.flags.writeable = False
+    return byte
+
+
 def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.ndarray],
                  nonfinite: Optional[np.ndarray] = None) -> None:
     """Put this rank's present flags (and ``nonfinite``: bool per segment, its bad segments)
     into the flag bytes of every section of ``buf`` (sections back to back,
     ``layout.section`` bytes each)."""
     S = layout.segments
+    lib = _flag_library(buf)
+    if lib is not None:
+        if flags is None and nonfinite is None:
+            byte = _clean_flags(S)
+        else:
+            byte = np.full(S, PRESENT_FLAG, dtype=np.uint8) if flags is None else flags.astype(np.uint8)
+            if nonfinite is not None:
+                byte |= nonfinite.astype(np.uint8) * np.uint8(NONFINITE_FLAG)
+        lib.lb_write_flags(buf.data_ptr(), buf.numel() // layout.section, layout.section, layout.flag_off, S,
+                           byte.ctypes.data)
+        return
     cpu = buf.device.type == "cpu"        # numpy views: a few microseconds against torch's tens
     view = (buf.numpy() if cpu else buf).reshape(-1, layout.section)[:, layout.flag_off:layout.section]
     view[:] = 0
@@ -97,6 +137,15 @@ def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> tuple[
     if not S:
         return np.zeros(0, dtype=bool), None
     off = layout.flag_off
+    lib = _flag_library(buf)
+    if lib is not None:
+        rows = buf.numel() // stride
+        present, bad = np.empty(S, dtype=np.uint8), np.empty((rows, S), dtype=np.uint8)
+        if not lib.lb_read_flags(buf.data_ptr(), rows, stride, off, S, PRESENT_FLAG, NONFINITE_FLAG,
+                                 present.ctypes.data, bad.ctypes.data):
+            return np.ones(S, dtype=bool), None
+        bad = bad.view(bool)
+        return present.view(bool), (bad if bad.any() else None)
     flags = (buf.numpy().reshape(-1, stride)[:, off:off + S] if buf.device.type == "cpu"
              else buf.view(-1, stride)[:, off:off + S].cpu().numpy())
     # the usual case, every row all present and finite, in byte compares (a few microseconds
@@ -122,11 +171,11 @@ def nonfinite_segments(g: torch.Tensor, layout: ChunkedLayout) -> Optional[np.nd
 
 def _skipped_segments(flags: Optional[np.ndarray], fixed: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """Segments whose chunks are skipped whole: absent on this rank (``~flags``) or exact
-    (``fixed``: they travel in fp32 beside the codes)."""
-    absent = None if flags is None else ~flags
-    if fixed is not None and fixed.any():
-        absent = fixed.copy() if absent is None else (absent | fixed)
-    return absent
+    (``fixed``: they travel in fp32 beside the codes). Read-only: with every segment present
+    it is ``fixed`` itself."""
+    if flags is None:
+        return fixed
+    return ~flags if fixed is None else (~flags | fixed)
 
 
 def _raw_rows(buf: torch.Tensor, rows: int, stride: int, offset: int) -> torch.Tensor:
@@ -138,10 +187,10 @@ def _raw_rows(buf: torch.Tensor, rows: int, stride: int, offset: int) -> torch.T
 class Plan:
     """Common part: the worker-side codec over the bucket's layout.
 
-    ``run`` may carry fp32 values beside the codes, in the same message (``exact``): the
-    reducer's exact elements (segments that are never compressed, CP-SGD's correction share).
-    They are averaged exactly (the sum in rank order, divided by N) and returned with the
-    decoded bucket, so an exact share costs no collective of its own. ``inline_exact`` says
+    ``run`` may carry fp32 values beside the codes, in the same message (``exact``, an
+    :class:`ExactSpans`): the reducer's exact elements (segments that are never compressed,
+    CP-SGD's correction share). They are averaged exactly (the sum in rank order, divided by N)
+    and written into the decoded bucket, so an exact share costs no collective of its own. ``inline_exact`` says
     whether a plan carries them at no more bytes than an fp32 ring all-reduce would."""
 
     name = ""
@@ -154,6 +203,7 @@ class Plan:
         self.numel = self.layout.total
         self._buffers: dict[str, torch.Tensor] = {}
         self._skips: dict[tuple, Optional[np.ndarray]] = {}
+        self._spans: dict[tuple, ExactSpans] = {}
 
     def _buffer(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
         """A reused per-plan byte buffer of at least ``nbytes``, sliced to ``nbytes`` (one job runs
@@ -169,13 +219,16 @@ class Plan:
         ``absent`` segments, cached: a bucket repeats the same few from step to step (its fixed
         1-D segments; CP-SGD's k spread shares), and building one cost ~0.1 ms of the pipeline
         thread per step on cnn. The kernels only read it."""
-        key = (lo, hi, None if absent is None else absent.tobytes())
-        if key not in self._skips:
-            if len(self._skips) >= SKIP_CACHE:
-                self._skips.clear()
-            enc = self.worker.enc
-            self._skips[key] = skip_ranges(enc.src, enc.length, enc.c, enc.seg, lo, hi, absent)
-        return self._skips[key]
+        enc = self.worker.enc
+        return _cached(self._skips, (lo, hi, None if absent is None else absent.tobytes()),
+                       lambda: skip_ranges(enc.src, enc.length, enc.c, enc.seg, lo, hi, absent))
+
+    def exact_spans(self, lo: int, hi: int, flush: bool, fixed: Optional[np.ndarray]) -> ExactSpans:
+        """The exact elements of one exchange (:class:`ExactSpans`): the ``fixed`` segments and
+        the share ``[lo, hi)``, cached as :meth:`worker_skip` (CP-SGD's k spread shares)."""
+        lay = self.layout
+        return _cached(self._spans, (lo, hi, flush, None if fixed is None else fixed.tobytes()),
+                       lambda: ExactSpans(lay.seg_off, lay.numel, fixed, lo, hi, flush))
 
     def encode(self, g: torch.Tensor, e_worker: Optional[torch.Tensor], out: torch.Tensor, lo: int, hi: int,
                skipped: Optional[np.ndarray], check_finite: bool) -> Optional[np.ndarray]:
@@ -198,15 +251,17 @@ class Plan:
 
     def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
             e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
-            exact: Optional[torch.Tensor] = None, fixed: Optional[np.ndarray] = None,
+            exact: Optional[ExactSpans] = None, fixed: Optional[np.ndarray] = None,
             check_finite: bool = False,
-            ) -> tuple[torch.Tensor, np.ndarray, Optional[torch.Tensor], Optional[np.ndarray]]:
-        """One exchange of bucket ``g``: ``(decoded average, present per segment, average of
-        exact, non-finite segments per rank)``. ``[lo, hi)`` and the segments flagged in
-        ``fixed`` are not coded (codes 0, residuals untouched): the caller sends their values
-        in ``exact`` (fp32, flat). ``check_finite``: test this rank's ``g`` for NaN/Inf
-        (:meth:`encode`) and mark its bad segments in its flag bytes; the last item is every
-        rank's marks, ``[world, segments]`` bool, or None when no rank marked any."""
+            ) -> tuple[torch.Tensor, np.ndarray, Optional[np.ndarray]]:
+        """One exchange of bucket ``g``: ``(decoded average, present per segment, non-finite
+        segments per rank)``. ``[lo, hi)`` and the segments flagged in ``fixed`` are not coded
+        (codes 0, residuals untouched): their values go exactly where ``exact`` says (its
+        spans' values of ``g``, flushing ``e_worker`` where it asks, averaged into the output;
+        the caller sends a share that is not in ``exact`` itself). ``check_finite``: test this
+        rank's ``g`` for NaN/Inf (:meth:`encode`) and mark its bad segments in its flag bytes;
+        the last item is every rank's marks, ``[world, segments]`` bool, or None when no rank
+        marked any."""
         raise NotImplementedError
 
 
@@ -231,20 +286,21 @@ class AllgatherPlan(Plan):
 
     def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False):
         lay, p, dev = self.layout, self.world, g.device
-        R = 0 if exact is None else exact.numel()
+        R = 0 if exact is None else exact.count
         stride = lay.section + 4 * R
         send = self._buffer("send", stride, dev)
         nonfinite = self.encode(g, e_worker, send, lo, hi, _skipped_segments(flags, fixed), check_finite)
         _write_flags(send[:lay.section], lay, flags, nonfinite)
         if R:
-            send[lay.section:].view(torch.float32).copy_(exact)
+            exact.gather_into(g, e_worker, send[lay.section:].view(torch.float32))
         gathered = self._buffer("gathered", p * stride, dev)
         comm.all_gather(gathered, send)
         out = torch.empty(self.numel, dtype=torch.float32, device=dev)
         self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p), stride)
-        mean = mean_rows(_raw_rows(gathered, p, stride, lay.section), p) if R else None
+        if R:
+            exact.scatter_mean(_raw_rows(gathered, p, stride, lay.section), p, out)
         present, bad = _read_flags(gathered, lay, stride)
-        return out, present, mean, bad
+        return out, present, bad
 
 
 class TwoStagePlan(Plan):
@@ -309,7 +365,7 @@ class TwoStagePlan(Plan):
 
     def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False):
         lay, slay, p, dev = self.layout, self.server_layout, self.world, g.device
-        R = 0 if exact is None else exact.numel()
+        R = 0 if exact is None else exact.count
         rc = -(-R // p)                      # exact elements per owner (the last ones padded)
         # stage 1: chunk i of every segment (and of the exact values) to rank i
         stride1 = lay.section + 4 * rc
@@ -321,7 +377,7 @@ class TwoStagePlan(Plan):
             send = self._buffer("send", p * stride1, dev)
             send.view(p, stride1)[:, :lay.section].copy_(codes.view(p, lay.section))
             padded = torch.zeros(p * rc, dtype=torch.float32, device=dev)
-            padded[:R] = exact
+            exact.gather_into(g, e_worker, padded[:R])
             _raw_rows(send, p, stride1, lay.section).copy_(padded.view(p, rc))
         recv = self._buffer("recv", p * stride1, dev)
         comm.all_to_all(recv, send)
@@ -343,8 +399,9 @@ class TwoStagePlan(Plan):
         out = torch.empty(self.numel, dtype=torch.float32, device=dev)
         runs, table = self.dec2(stride2)
         self.server.decode(gathered, 1, runs, table, out, False, 1.0, stride2)
-        mean = _raw_rows(gathered, p, stride2, slay.section).reshape(-1)[:R] if R else None
-        return out, present, mean, bad
+        if R:   # the owners' averages, in order: one row, no division
+            exact.scatter_mean(_raw_rows(gathered, p, stride2, slay.section).reshape(1, -1)[:, :R], 1.0, out)
+        return out, present, bad
 
 
 PLANS = {"allgather": AllgatherPlan, "two-stage": TwoStagePlan}

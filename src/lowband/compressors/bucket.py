@@ -411,6 +411,95 @@ def mean_rows(rows: torch.Tensor, divisor: float) -> torch.Tensor:
     return out
 
 
+class ExactSpans:
+    """The elements of a flat bucket one exchange sends exactly, in fp32 beside its codes, in
+    message order: whole segments (``fixed``: bool per segment, e.g. 1-D parameters that are
+    never coded), then a share ``[lo, hi)`` (CP-SGD's spread correction; it may overlap them).
+
+    ``gather_into`` writes their values into a message (the share's plus the worker residual
+    there, which is zeroed, when ``flush``); ``scatter_mean`` writes the rank-order mean of K
+    messages' values back into the bucket's output, the share after the segments (where they
+    overlap, the share wins). On the CPU each is one native call (``lb_gather_spans``,
+    ``lb_scatter_mean``), in place of the clone, index_select, cat, mean and index_copy they
+    replaced on the pipeline's thread; elsewhere (or with a library without them) torch index
+    ops with the same bits.
+
+    Args:
+        seg_off, numel: the bucket's segment offsets and sizes (its layout).
+        fixed: bool per segment, or None.
+        lo, hi: the share (empty when ``hi <= lo``).
+        flush: add the worker residual to the share's values and zero it there.
+    """
+
+    def __init__(self, seg_off: np.ndarray, numel: np.ndarray, fixed: Optional[np.ndarray], lo: int, hi: int,
+                 flush: bool) -> None:
+        whole = [] if fixed is None else [(int(o), int(n)) for o, n, f in zip(seg_off, numel, fixed) if f]
+        self.fixed_count = sum(n for _, n in whole)
+        self.lo, self.hi, self.flush = int(lo), max(int(lo), int(hi)), bool(flush)
+        spans = [(o, n, 0) for o, n in whole]
+        if self.hi > self.lo:
+            spans.append((self.lo, self.hi - self.lo, int(self.flush)))
+        self.table = np.ascontiguousarray(np.asarray(spans, dtype=np.int64).reshape(-1, 3))
+        self.count = int(self.table[:, 1].sum())
+        # the torch path's index of the whole segments' elements, per device
+        self._index = {} if not whole else {torch.device("cpu"): torch.from_numpy(
+            np.concatenate([np.arange(o, o + n, dtype=np.int64) for o, n in whole]))}
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The whole segments' element indices on ``device`` (the torch path's)."""
+        if device not in self._index:
+            self._index[device] = self._index[torch.device("cpu")].to(device)
+        return self._index[device]
+
+    @staticmethod
+    def _native(*tensors: Optional[torch.Tensor]):
+        lib = kernels.library() if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
+                                       for t in tensors) else None
+        return lib if lib is not None and getattr(lib, "has_spans", False) else None
+
+    def gather_into(self, g: torch.Tensor, residual: Optional[torch.Tensor], dst: torch.Tensor) -> None:
+        """``dst`` (fp32, ``count`` contiguous elements) = the spans' values of flat ``g``, in order."""
+        if not self.count:
+            return
+        e = residual if self.flush else None
+        lib = self._native(g, e, dst)
+        if lib is not None and g.is_contiguous() and dst.is_contiguous() and (e is None or e.is_contiguous()):
+            lib.lb_gather_spans(g.data_ptr(), _ptr(e), self.table.ctypes.data, len(self.table), dst.data_ptr())
+            return
+        nf = self.fixed_count
+        if nf:
+            torch.index_select(g, 0, self.index(g.device), out=dst[:nf])
+        if self.hi > self.lo:
+            share = dst[nf:]
+            share.copy_(g[self.lo:self.hi])
+            if e is not None:
+                share.add_(e[self.lo:self.hi])
+                e[self.lo:self.hi].zero_()
+
+    def gather(self, g: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """The spans' values of ``g`` in a new tensor (:meth:`gather_into`)."""
+        dst = torch.empty(self.count, dtype=torch.float32, device=g.device)
+        self.gather_into(g, residual, dst)
+        return dst
+
+    def scatter_mean(self, rows: torch.Tensor, divisor: float, out: torch.Tensor) -> None:
+        """Write the mean of ``rows`` (``[K, count]`` fp32, rows may be strided; summed in row
+        order, then divided by ``divisor``, as :func:`mean_rows`) into the spans of flat ``out``."""
+        if not self.count:
+            return
+        lib = self._native(rows, out)
+        if lib is not None and out.is_contiguous() and rows.stride(1) == 1 and rows.shape[0] > 0:
+            lib.lb_scatter_mean(rows.data_ptr(), rows.stride(0), rows.shape[0], self.table.ctypes.data,
+                                len(self.table), float(divisor), out.data_ptr())
+            return
+        mean = mean_rows(rows, divisor)
+        nf = self.fixed_count
+        if nf:
+            out.index_copy_(0, self.index(out.device), mean[:nf])
+        if self.hi > self.lo:
+            out[self.lo:self.hi] = mean[nf:]
+
+
 def payload_nbytes(codec: Compressor, n: int) -> int:
     """Bytes of one compressed chunk of ``n`` elements (4-byte aligned)."""
     return _align4(codec.payload_nbytes(as_shape(n)))

@@ -32,6 +32,14 @@ _SIGNATURES = {
     "lb_sum_rows": (None, [_p, _i64, _i64, _i64, _f32, _p]),
     "lb_sgd_pipeline": (None, [_p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _int]),
 }
+#: functions newer builds have; a build without them (an old one loaded for an A/B) still opens,
+#: and its callers take the numpy / torch path instead (``lib.has_spans``, ``lib.has_flags``)
+_OPTIONAL = {
+    "lb_gather_spans": (None, [_p, _p, _p, _i64, _p]),
+    "lb_scatter_mean": (None, [_p, _i64, _i64, _p, _i64, _f32, _p]),
+    "lb_write_flags": (None, [_p, _i64, _i64, _i64, _i64, _p]),
+    "lb_read_flags": (_int, [_p, _i64, _i64, _i64, _i64, ctypes.c_uint8, ctypes.c_uint8, _p, _p]),
+}
 
 
 def mode() -> str:
@@ -49,8 +57,14 @@ def open_library(path: str) -> ctypes.CDLL:
     for name, (res, args) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+    for name, (res, args) in _OPTIONAL.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
     # builds before lb_proves_finite return 0 from the encoders whatever the input
     lib.proves_finite = hasattr(lib, "lb_proves_finite")
+    lib.has_spans = hasattr(lib, "lb_gather_spans") and hasattr(lib, "lb_scatter_mean")
+    lib.has_flags = hasattr(lib, "lb_write_flags") and hasattr(lib, "lb_read_flags")
     return lib
 
 

@@ -881,3 +881,67 @@ float lb_canon_sum(const float *x, int64_t n) {
     free(tmp);
     return s;
 }
+
+/* Exact spans of a flat bucket: the elements one exchange sends in fp32 beside the codes, as
+ * rows {start, length, flush} in message order (lowband.compressors.bucket.ExactSpans).
+ * lb_gather_spans: dst (consecutive, in span order) = g[start .. start+length), plus e there,
+ * which is then zeroed, where flush is set and e is given (g + e in that order: the bits of
+ * torch's clone-then-add_). lb_scatter_mean: out[start .. start+length) = the mean of K rows'
+ * consecutive values (row q at rows + q*stride floats), span by span in order (a later span
+ * overwrites an earlier one where they overlap), with lb_sum_rows' arithmetic: the bits of
+ * its mean scattered. */
+void lb_gather_spans(const float *g, float *e, const int64_t *spans, int64_t n, float *dst) {
+    for (int64_t k = 0; k < n; ++k) {
+        int64_t s = spans[3 * k], len = spans[3 * k + 1], flush = spans[3 * k + 2];
+        if (flush && e) {
+            for (int64_t j = 0; j < len; ++j) { dst[j] = g[s + j] + e[s + j]; e[s + j] = 0.0f; }
+        } else if (len > 0) {
+            memcpy(dst, g + s, (size_t)len * sizeof(float));
+        }
+        dst += len;
+    }
+}
+
+void lb_scatter_mean(const float *rows, int64_t stride, int64_t K, const int64_t *spans, int64_t n,
+                     float divisor, float *out) {
+    int64_t off = 0;
+    for (int64_t k = 0; k < n; ++k) {
+        int64_t s = spans[3 * k], len = spans[3 * k + 1];
+        lb_sum_rows(rows + off, stride, K, len, divisor, out + s);
+        off += len;
+    }
+}
+
+/* Flag bytes of a message's sections (lowband.collectives.compressed): lb_write_flags sets
+ * bytes [flag_off, section) of each of the `sections` sections of buf (section bytes apart) to
+ * `bytes` (S of them) followed by zeros. lb_read_flags reads them from `rows` sections `stride`
+ * bytes apart: 0 when every row's S bytes equal `clean` (nothing written), else 1 with
+ * present[s] = 1 where some row's byte s is not 0 and bad[r * S + s] = 1 where row r's byte s
+ * has a bit of `bad_bit`. */
+void lb_write_flags(uint8_t *buf, int64_t sections, int64_t section, int64_t flag_off, int64_t S,
+                    const uint8_t *bytes) {
+    for (int64_t i = 0; i < sections; ++i) {
+        uint8_t *f = buf + i * section + flag_off;
+        if (S > 0) memcpy(f, bytes, (size_t)S);
+        if (section - flag_off > S) memset(f + S, 0, (size_t)(section - flag_off - S));
+    }
+}
+
+int lb_read_flags(const uint8_t *buf, int64_t rows, int64_t stride, int64_t flag_off, int64_t S, uint8_t clean,
+                  uint8_t bad_bit, uint8_t *present, uint8_t *bad) {
+    int dirty = 0;
+    for (int64_t r = 0; r < rows && !dirty; ++r) {
+        const uint8_t *f = buf + r * stride + flag_off;
+        for (int64_t s = 0; s < S; ++s) if (f[s] != clean) { dirty = 1; break; }
+    }
+    if (!dirty) return 0;
+    memset(present, 0, (size_t)S);
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t *f = buf + r * stride + flag_off;
+        for (int64_t s = 0; s < S; ++s) {
+            if (f[s]) present[s] = 1;
+            bad[r * S + s] = (f[s] & bad_bit) ? 1 : 0;
+        }
+    }
+    return 1;
+}
