@@ -373,13 +373,12 @@ def probe(link: str, world: int, model: str = "cnn") -> dict:
     from lowband.collectives.wire import allreduce_bytes
     from lowband.netem import parse_rate
     smalls = [probe_allreduce(link, world, 64, 40) for _ in range(LATENCY_PROBES)]
-    small = sorted(smalls, key=lambda r: r["wall_s"])[len(smalls) // 2]
     big_size = 4 << 20
     big = probe_allreduce(link, world, big_size, 4)
     wire = allreduce_bytes(big_size, world)
     return {"latency_s": latency_from_probes([r["wall_s"] for r in smalls], world),
             "efficiency": min(1.0, wire * 8 / big["wall_s"] / parse_rate(link)),
-            "cpu_s_per_byte": big["cpu_s"] / wire, "small": small, "smalls": smalls, "big": big,
+            "cpu_s_per_byte": big["cpu_s"] / wire, "smalls": smalls, "big": big,
             "contention": probe_contention(link, world), "step_sync": probe_step_sync(link, world, model)}
 
 

@@ -87,8 +87,7 @@ def _flag_library(buf: torch.Tensor):
     buffer: one call where numpy's views took 40-70 us of the pipeline's cold thread per job."""
     if buf.device.type != "cpu" or not buf.is_contiguous():
         return None
-    lib = kernels.library()
-    return lib if lib is not None and getattr(lib, "has_flags", False) else None
+    return kernels.library_having("has_flags")
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,16 +102,16 @@ def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.nd
                  nonfinite: Optional[np.ndarray] = None) -> None:
     """Put this rank's present flags (and ``nonfinite``: bool per segment, its bad segments)
     into the flag bytes of every section of ``buf`` (sections back to back,
-    ``layout.section`` bytes each)."""
+    ``layout.section`` bytes each; the bytes after the segments' are zeroed)."""
     S = layout.segments
+    if flags is None and nonfinite is None:
+        byte = _clean_flags(S)
+    else:
+        byte = np.full(S, PRESENT_FLAG, dtype=np.uint8) if flags is None else flags.astype(np.uint8)
+        if nonfinite is not None:
+            byte |= nonfinite.astype(np.uint8) * np.uint8(NONFINITE_FLAG)
     lib = _flag_library(buf)
     if lib is not None:
-        if flags is None and nonfinite is None:
-            byte = _clean_flags(S)
-        else:
-            byte = np.full(S, PRESENT_FLAG, dtype=np.uint8) if flags is None else flags.astype(np.uint8)
-            if nonfinite is not None:
-                byte |= nonfinite.astype(np.uint8) * np.uint8(NONFINITE_FLAG)
         lib.lb_write_flags(buf.data_ptr(), buf.numel() // layout.section, layout.section, layout.flag_off, S,
                            byte.ctypes.data)
         return
@@ -120,13 +119,7 @@ def _write_flags(buf: torch.Tensor, layout: ChunkedLayout, flags: Optional[np.nd
     view = (buf.numpy() if cpu else buf).reshape(-1, layout.section)[:, layout.flag_off:layout.section]
     view[:] = 0
     if S:
-        if flags is None and nonfinite is None:
-            view[:, :S] = PRESENT_FLAG
-        else:
-            byte = np.full(S, PRESENT_FLAG, dtype=np.uint8) if flags is None else flags.astype(np.uint8)
-            if nonfinite is not None:
-                byte |= nonfinite.astype(np.uint8) * np.uint8(NONFINITE_FLAG)
-            view[:, :S] = byte if cpu else torch.from_numpy(byte).to(buf.device)
+        view[:, :S] = byte if cpu else torch.tensor(byte, device=buf.device)
 
 
 def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> tuple[np.ndarray, Optional[np.ndarray]]:

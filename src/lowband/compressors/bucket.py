@@ -453,9 +453,10 @@ class ExactSpans:
 
     @staticmethod
     def _native(*tensors: Optional[torch.Tensor]):
-        lib = kernels.library() if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
-                                       for t in tensors) else None
-        return lib if lib is not None and getattr(lib, "has_spans", False) else None
+        """The native library for fp32 CPU ``tensors`` (None entries allowed), else None."""
+        if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors):
+            return kernels.library_having("has_spans")
+        return None
 
     def gather_into(self, g: torch.Tensor, residual: Optional[torch.Tensor], dst: torch.Tensor) -> None:
         """``dst`` (fp32, ``count`` contiguous elements) = the spans' values of flat ``g``, in order."""

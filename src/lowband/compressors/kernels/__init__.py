@@ -54,12 +54,9 @@ def open_library(path: str) -> ctypes.CDLL:
     """A build of the codec library at ``path``, with its functions' signatures set
     (``OSError`` / ``AttributeError`` when it cannot be loaded or lacks a function)."""
     lib = ctypes.CDLL(path)
-    for name, (res, args) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    for name, (res, args) in _OPTIONAL.items():
-        if hasattr(lib, name):
-            fn = getattr(lib, name)
+    for name, (res, args) in {**_SIGNATURES, **_OPTIONAL}.items():
+        fn = getattr(lib, name) if name in _SIGNATURES else getattr(lib, name, None)
+        if fn is not None:
             fn.restype, fn.argtypes = res, args
     # builds before lb_proves_finite return 0 from the encoders whatever the input
     lib.proves_finite = hasattr(lib, "lb_proves_finite")
@@ -108,6 +105,13 @@ def library() -> Optional[ctypes.CDLL]:
     if _lib is None and m == "native":
         raise RuntimeError(f"{ENV}=native but {_error}")
     return _lib
+
+
+def library_having(capability: str) -> Optional[ctypes.CDLL]:
+    """:func:`library` when its build has ``capability`` (``has_spans``, ``has_flags``: an
+    attribute :func:`open_library` sets), else None (the caller's numpy / torch path)."""
+    lib = library()
+    return lib if lib is not None and getattr(lib, capability, False) else None
 
 
 def unavailable_reason() -> Optional[str]:
