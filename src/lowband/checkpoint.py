@@ -45,7 +45,7 @@ MANIFEST = "latest.json"
 #: NaN); a changed length stretches a cosine schedule from the resume point (schedule.py)
 RESUMABLE_CHANGES = frozenset({
     "epochs", "max_steps", "progress", "timeout_s", "run_dir", "eval_every_epoch", "eval_every_steps",
-    "checkpoint_every", "keep_checkpoints", "resume", "data_dir", "threads", "cpu_binding", "malloc", "nonfinite",
+    "checkpoint_every", "keep_checkpoints", "resume", "data_dir", "threads", "cpu_binding", "comm_slice_us", "malloc", "nonfinite",
     "max_consecutive_skips", "master_addr",
     # where the tensors live: state reloads onto the model's device (a run moved between CPU
     # and GPU continues, though not bit for bit); checkpoints from before --device lack it

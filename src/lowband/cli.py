@@ -86,6 +86,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "may use (LOCAL_RANK of LOCAL_WORLD_SIZE; round-robin when there are more workers than "
                         "cores); none: the OS places every thread. On a 2-core vm it made no step faster in "
                         "lowband bench (docs/results.md) (default: %(default)s)")
+    p.add_argument("--comm-slice-us", type=int, default=d.comm_slice_us, metavar="US",
+                   help="scheduler slice in microseconds for each worker's communication threads (gloo's, "
+                        "lowband's pipeline): on Linux 6.12+ a short one (e.g. 100) lets them preempt the "
+                        "training thread sooner when bytes arrive; 0 keeps the kernel's default. The run "
+                        "summary records how many threads took it (docs/architecture.md) (default: %(default)s)")
     p.add_argument("--malloc", default=d.malloc, choices=MALLOC_MODES,
                    help="cached: the C heap keeps the pages a step freed for the next step (glibc's "
                         "mmap threshold 32 MiB, trim threshold 1 GiB), so a step never faults them in "
@@ -154,7 +159,8 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         dataset=task["dataset"], data_dir=args.data_dir, workers=workers, epochs=args.epochs,
         max_steps=args.max_steps, batch_size=task["batch_size"], lr=task["lr"], momentum=args.momentum,
         weight_decay=task["weight_decay"], optimizer=task["optimizer"], lr_schedule=task["lr_schedule"],
-        warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, cpu_binding=args.cpu_binding, malloc=args.malloc,
+        warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, cpu_binding=args.cpu_binding,
+        comm_slice_us=args.comm_slice_us, malloc=args.malloc,
         run_dir=run_dir, timeout_s=args.timeout_s,
         progress=args.progress, nonfinite=args.nonfinite, max_consecutive_skips=args.max_consecutive_skips,
         checkpoint_every=args.checkpoint_every,

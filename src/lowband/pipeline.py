@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from .collectives.communicator import Communicator
 from .collectives.compressed import Plan, make_plan, resolve_collective
+from .comm_threads import name_this_thread
 from .compressors import Compressor, ErrorFeedback
 from .streams import SideStream, cuda_device_of
 
@@ -133,6 +134,8 @@ class Pipeline:
         self._thread.start()
 
     def _loop(self) -> None:
+        # the kernel's name too: top -H and --comm-slice-us (lowband.comm_threads) see it
+        name_this_thread("lowband-pipe")
         while True:
             item = self._queue.get()
             if item is None:

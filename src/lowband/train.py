@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .data import ShardedBatches, load_dataset
-from . import checkpoint, cpus, device, memory, rendezvous, tasks
+from . import checkpoint, comm_threads, cpus, device, memory, rendezvous, tasks
 from .agreement import ReplicaMismatchError
 from .engine import distribute
 from .guard import NonFiniteLossError
@@ -173,6 +173,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
         return scores
 
     metrics: dict[str, float] = {}
+    resumed_at, comm_slices = step, 0
     wall0 = time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
         if step >= total_steps:
@@ -211,6 +212,9 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
                 "lr": optimizer.param_groups[0]["lr"], "skipped": not applied,
                 **engine.bound.step_metrics(),
             })
+            if step == resumed_at + 1:
+                # after one step every communication thread exists (gloo's, the pipeline's)
+                comm_slices = comm_threads.shorten(cfg.comm_slice_us)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_s:.0f}")
@@ -244,7 +248,10 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             "algorithm": cfg.algorithm, "algorithm_config": engine.algorithm.config(),
             "algorithm_summary": engine.bound.summary(),
             "workers": world, "device": str(dev), "backend": dist.get_backend(),
-            "cpu_binding": cfg.cpu_binding, "rank0_cores": cores, "malloc": cfg.malloc, "malloc_settings": malloc, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
+            "cpu_binding": cfg.cpu_binding, "rank0_cores": cores,
+            # None: the kernel takes no custom slices (nothing changed)
+            "comm_slice_us": cfg.comm_slice_us, "rank0_comm_threads_sliced": comm_slices,
+            "malloc": cfg.malloc, "malloc_settings": malloc, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
             **metrics, **tasks.describe_data(train, test),
             "wall_s": wall, "train_s": train_time,
