@@ -115,13 +115,16 @@ PROBE_PORT = "29519"   # free in rank 0's fresh namespace
 
 def join_probe_group() -> None:
     """A probe rank's set-up, as a lowband worker's: its C heap in the workers' default mode
-    (:mod:`lowband.memory`), one intra-op thread, the gloo group of the launcher's environment."""
+    (:mod:`lowband.memory`), one intra-op thread, the gloo group of the launcher's environment
+    and its threads' scheduler slice in the workers' default (:mod:`lowband.comm_threads`)."""
     import torch
     import torch.distributed as dist
-    from lowband import memory
+    from lowband import comm_threads, memory
+    from lowband.config import TrainConfig
     memory.configure(memory.DEFAULT_MODE)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    comm_threads.shorten(TrainConfig().comm_slice_us)
 
 
 def probe_worker(size: int, iters: int) -> None:

@@ -74,7 +74,8 @@ def read_attr(tid: int = 0) -> _SchedAttr:
 
 
 def read_slice_ns(tid: int = 0) -> int:
-    """Thread ``tid``'s custom slice in ns (0: the kernel's default, or a kernel without them)."""
+    """Thread ``tid``'s slice in ns: the one it asked for, else the kernel's default (kernels
+    before 6.12 report 0)."""
     return int(read_attr(tid).runtime)
 
 

@@ -46,7 +46,7 @@ class TrainConfig:
     threads: int = 1              # intra-op threads per worker
     cpu_binding: str = "none"     # "none" | "spread": each local rank on its own cores (lowband.cpus)
     malloc: str = memory.DEFAULT_MODE   # "cached" | "system": the C heap keeps a step's pages (lowband.memory)
-    comm_slice_us: int = 0        # scheduler slice of gloo's and lowband's threads; 0: the kernel's (lowband.comm_threads)
+    comm_slice_us: int = 100      # scheduler slice (us) of gloo's and lowband's threads; 0: the kernel's (lowband.comm_threads)
     eval_every_epoch: bool = True
     eval_every_steps: Optional[int] = None   # also evaluate every N steps (accuracy-vs-time curves)
     run_dir: str = "runs/latest"

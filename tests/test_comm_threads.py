@@ -1,0 +1,98 @@
+"""`--comm-slice-us`: a short scheduler slice reaches the communication threads and only them,
+and never changes what a worker computes."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from lowband import comm_threads
+from lowband.config import TrainConfig
+
+from .test_cli import lowband
+
+
+def test_a_slice_the_kernel_would_clamp_is_an_error_naming_the_flag():
+    for bad in (-1, 1, 99, 100_001, 2.5, True, "100"):
+        with pytest.raises(ValueError, match="--comm-slice-us must be 0"):
+            comm_threads.check_slice(bad)
+    for good in (0, 100, 5000, 100_000):
+        comm_threads.check_slice(good)
+    with pytest.raises(ValueError, match=r"--comm-slice-us must be 0 \(the kernel's default\) or an integer in "
+                                         r"\[100, 100000\], got 50"):
+        TrainConfig(comm_slice_us=50).validate()
+
+
+def test_the_command_line_rejects_a_bad_slice_in_one_line():
+    r = lowband("train", "--comm-slice-us", "20", "--max-steps", "1")
+    assert r.returncode != 0
+    assert "--comm-slice-us must be 0" in r.stderr and "Traceback" not in r.stderr
+
+
+class _Named(threading.Thread):
+    """A thread that takes a kernel name, reports its id and sleeps until released."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(daemon=True)
+        self.kernel_name, self.tid = name, None
+        self.ready, self.release = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        comm_threads.name_this_thread(self.kernel_name)
+        self.tid = threading.get_native_id()
+        self.ready.set()
+        self.release.wait(30)
+
+
+def test_shorten_reaches_the_named_communication_threads_and_no_other():
+    threads = {name: _Named(name) for name in ("gloo_tcp_loop", "lowband-pipe", "pt_main_thread", "worker")}
+    for t in threads.values():
+        t.start()
+        t.ready.wait(10)
+    try:
+        found = comm_threads.comm_threads()
+        assert {threads["gloo_tcp_loop"].tid, threads["lowband-pipe"].tid} <= set(found)
+        assert threads["pt_main_thread"].tid not in found and threads["worker"].tid not in found
+        before = {name: comm_threads.read_slice_ns(t.tid) for name, t in threads.items()}
+        own = comm_threads.read_slice_ns(0)
+        assert comm_threads.shorten(0) == 0
+        assert {name: comm_threads.read_slice_ns(t.tid) for name, t in threads.items()} == before
+        done = comm_threads.shorten(250)
+        if done is None:
+            pytest.skip("this kernel takes no custom EEVDF slices (before Linux 6.12)")
+        assert done >= 2 and 250_000 not in before.values()
+        for name, t in threads.items():
+            want = 250_000 if name in ("gloo_tcp_loop", "lowband-pipe") else before[name]
+            assert comm_threads.read_slice_ns(t.tid) == want, name
+        assert comm_threads.read_slice_ns(0) == own          # the calling (training) thread
+        comm_threads.set_slice_ns(threads["lowband-pipe"].tid, 0)     # 0: back to the default
+        assert comm_threads.read_slice_ns(threads["lowband-pipe"].tid) == before["lowband-pipe"]
+    finally:
+        for t in threads.values():
+            t.release.set()
+            t.join(10)
+
+
+def _losses(run) -> list:
+    return [json.loads(line)["loss"] for line in open(run / "steps.jsonl")]
+
+
+def test_training_with_short_comm_slices_follows_the_default_trajectory_bit_for_bit(tmp_path):
+    """cpsgd past its warm-up and corrections on 2 gloo workers: the pipeline's and gloo's
+    threads take the slice, the losses stay the same bits."""
+    runs = {}
+    for us in (0, 100):
+        run = tmp_path / f"s{us}"
+        r = lowband("train", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--max-steps", "24",
+                    "--batch-size", "32", "--algorithm", "cpsgd", "--option", "warmup_steps=4",
+                    "--option", "correction_period=5", "--no-progress", "--comm-slice-us", str(us),
+                    "--run-dir", str(run))
+        assert r.returncode == 0, r.stderr
+        runs[us] = json.load(open(run / "summary.json"))
+    assert runs[0]["comm_slice_us"] == 0 and runs[0]["rank0_comm_threads_sliced"] == 0
+    assert runs[100]["comm_slice_us"] == 100
+    sliced = runs[100]["rank0_comm_threads_sliced"]
+    # gloo's threads of the world and private groups plus the pipeline's (None: an old kernel)
+    assert sliced is None or sliced >= 3
+    assert _losses(tmp_path / "s100") == _losses(tmp_path / "s0")
