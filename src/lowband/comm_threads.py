@@ -21,6 +21,7 @@ docs/results.md, "Twenty-sixth session".
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import threading
@@ -53,6 +54,7 @@ def check_slice(slice_us: int) -> None:
                          f"[{MIN_SLICE_US}, {MAX_SLICE_US}], got {slice_us!r}")
 
 
+@functools.lru_cache(maxsize=None)
 def _libc() -> Optional[ctypes.CDLL]:
     if not platform.system() == "Linux" or platform.machine() not in _SYSCALLS:
         return None
@@ -60,8 +62,10 @@ def _libc() -> Optional[ctypes.CDLL]:
 
 
 def _call(number: int, *args) -> None:
+    """``syscall(number, *args)``; the integers passed as C longs (syscall(2) is variadic)."""
     libc = _libc()
-    if libc is None or libc.syscall(number, *args) != 0:
+    args = tuple(ctypes.c_long(a) if isinstance(a, int) else a for a in args)
+    if libc is None or libc.syscall(ctypes.c_long(number), *args) != 0:
         err = ctypes.get_errno() if libc is not None else 0
         raise OSError(err, os.strerror(err) if err else "no sched_setattr on this platform")
 
