@@ -54,8 +54,11 @@ def test_shorten_reaches_the_named_communication_threads_and_no_other():
         found = comm_threads.comm_threads()
         assert {threads["gloo_tcp_loop"].tid, threads["lowband-pipe"].tid} <= set(found)
         assert threads["pt_main_thread"].tid not in found and threads["worker"].tid not in found
-        before = {name: comm_threads.read_slice_ns(t.tid) for name, t in threads.items()}
-        own = comm_threads.read_slice_ns(0)
+        try:
+            before = {name: comm_threads.read_slice_ns(t.tid) for name, t in threads.items()}
+            own = comm_threads.read_slice_ns(0)
+        except OSError as e:     # no sched_getattr here (not Linux, or a sandbox refuses it)
+            pytest.skip(f"sched_getattr unavailable: {e}")
         assert comm_threads.shorten(0) == 0
         assert {name: comm_threads.read_slice_ns(t.tid) for name, t in threads.items()} == before
         done = comm_threads.shorten(250)
