@@ -65,3 +65,10 @@ def test_latency_is_the_median_probe_run_over_the_rings_messages():
     assert validate.latency_from_probes(medians, 4) == pytest.approx(0.45e-3 / 6)
     with pytest.raises(ValueError):
         validate.latency_from_probes([], 2)
+
+
+def test_the_step_probe_latency_is_its_warm_all_reduce_over_the_rings_messages():
+    assert validate.latency_from_step_probe(0.24e-3, 2) == pytest.approx(0.12e-3)
+    assert validate.latency_from_step_probe(0.72e-3, 4) == pytest.approx(0.12e-3)
+    with pytest.raises(ValueError):
+        validate.latency_from_step_probe(1e-3, 1)
