@@ -365,9 +365,10 @@ def latency_from_probes(medians: list[float], world: int) -> float:
     biased low where the runs agree (at 4 workers five runs gave 5.1-8.6 ms per call and
     nothing bimodal): on the twenty-fifth session's runs it predicted 57 of 60 within 15%,
     the median 59 (results.md, the validation section)."""
+    from lowband.collectives.wire import allreduce_messages
     if not medians:
         raise ValueError("no latency probe runs")
-    return statistics.median(medians) / (2 * (world - 1))
+    return statistics.median(medians) / allreduce_messages(world)
 
 
 def latency_from_step_probe(met_again_s: float, world: int) -> float:
@@ -377,9 +378,10 @@ def latency_from_step_probe(met_again_s: float, world: int) -> float:
     at 2 workers, in 14 of 15 runs of the twenty-sixth session) that no training step shows
     (results.md); ``report --latency-from step`` predicts with this instead. Chosen after those
     runs: a fresh validation decides it."""
+    from lowband.collectives.wire import allreduce_messages
     if world < 2:
         raise ValueError("a latency needs at least 2 workers")
-    return met_again_s / (2 * (world - 1))
+    return met_again_s / allreduce_messages(world)
 
 
 def probe(link: str, world: int, model: str = "cnn") -> dict:
@@ -477,8 +479,10 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
         results = json.load(f)
     rate, world = parse_rate(meta["link"]), meta["workers"]
     pr = meta["probe"]
-    if latency_s is None and latency_from == "step" and "step_sync" in pr:
-        latency_s = latency_from_step_probe(step_probe_costs(pr["step_sync"]["ranks"])["met_again_s"], world)
+    # the step probe's costs, recomputed from its raw timings by today's rule (runs keep them)
+    probed = step_probe_costs(pr["step_sync"]["ranks"]) if "step_sync" in pr else {}
+    if latency_s is None and latency_from == "step" and probed:
+        latency_s = latency_from_step_probe(probed["met_again_s"], world)
     if latency_s is None and "smalls" in pr:   # the probe runs themselves: today's statistic
         latency_s = latency_from_probes([r["wall_s"] for r in pr["smalls"]], world)
     if latency_s is not None:
@@ -491,8 +495,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
         cpu_s_per_byte = pr["contention"]["cpu_s_per_byte"]
         # what one synchronization costs beyond the 4-byte all-reduce the model already charges
         sync_s = max(0.0, pr["contention"]["sync_s"] - network.allreduce_s(4.0, world))
-    # the step probe's costs, recomputed from its raw timings by today's rule (runs keep them)
-    costs = step_probe_costs(pr["step_sync"]["ranks"]) if step_sync and "step_sync" in pr else {}
+    costs = probed if step_sync else {}
     step_sync_s = costs.get("step_sync_s", 0.0)
     # the engine's finiteness exchange: a tiny all-reduce right behind another, as the probe timed it
     exchange_s = costs.get("met_again_s")

@@ -62,11 +62,15 @@ def _libc() -> Optional[ctypes.CDLL]:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _call(number: int, *args) -> None:
-    """``syscall(number, *args)``; the integers passed as C longs (syscall(2) is variadic)."""
+_SET, _GET = 0, 1
+
+
+def _call(which: int, *args) -> None:
+    """``syscall(sched_setattr or sched_getattr, *args)`` (``which``: ``_SET`` or ``_GET``); the
+    integers passed as C longs (syscall(2) is variadic)."""
     libc = _libc()
     args = tuple(ctypes.c_long(a) if isinstance(a, int) else a for a in args)
-    if libc is None or libc.syscall(ctypes.c_long(number), *args) != 0:
+    if libc is None or libc.syscall(ctypes.c_long(_SYSCALLS[platform.machine()][which]), *args) != 0:
         err = ctypes.get_errno() if libc is not None else 0
         raise OSError(err, os.strerror(err) if err else "no sched_setattr on this platform")
 
@@ -74,7 +78,7 @@ def _call(number: int, *args) -> None:
 def read_attr(tid: int = 0) -> _SchedAttr:
     """Thread ``tid``'s ``sched_attr`` (0: the calling thread); OSError where unsupported."""
     attr = _SchedAttr()
-    _call(_SYSCALLS.get(platform.machine(), (0, 0))[1], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0)
+    _call(_GET, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0)
     return attr
 
 
@@ -89,7 +93,7 @@ def set_slice_ns(tid: int, slice_ns: int) -> None:
     policy and nice value."""
     attr = read_attr(tid)
     attr.size, attr.flags, attr.runtime = ctypes.sizeof(attr), 0, slice_ns
-    _call(_SYSCALLS[platform.machine()][0], tid, ctypes.byref(attr), 0)
+    _call(_SET, tid, ctypes.byref(attr), 0)
 
 
 def name_this_thread(name: str) -> None:

@@ -18,6 +18,12 @@ def allreduce_bytes(nbytes: float, world: int) -> float:
     return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
 
 
+def allreduce_messages(world: int) -> int:
+    """Messages each rank sends, one after another, in a ring all-reduce: 2(N-1) (reduce-scatter,
+    then all-gather); each costs the link's latency once."""
+    return 2 * (world - 1) if world > 1 else 0
+
+
 def allgather_bytes(nbytes: float, world: int) -> float:
     """Bytes sent (= received) per rank by a ring all-gather of ``nbytes`` from each rank."""
     return float((world - 1) * nbytes)

@@ -58,7 +58,7 @@ class Network:
     def allreduce_s(self, nbytes: float, world: int) -> float:
         if world <= 1:
             return 0.0
-        return self.transfer_s(wire.allreduce_bytes(nbytes, world)) + 2 * (world - 1) * self.latency_s
+        return self.transfer_s(wire.allreduce_bytes(nbytes, world)) + wire.allreduce_messages(world) * self.latency_s
 
     def allgather_s(self, nbytes: float, world: int) -> float:
         """``nbytes`` contributed by each worker."""
