@@ -11,10 +11,12 @@ Two phases, so each timing run stays short (run one `run` per link and worker co
         --doc docs/results.md --section perfmodel-validation
 
 What is predicted and what is taken from the run under test:
-* measured on the link (probe, before the bench): per-message latency (the median, over
-  ``LATENCY_PROBES`` independent probe runs, of the median all_reduce time of 64 bytes, /
-  2(N-1): :func:`latency_from_probes`) and bulk efficiency (4 MiB all_reduce rate / nominal
-  rate); and, beside
+* measured on the link (probe, before the bench): per-message latency (by default the step
+  probe's second 4-byte all-reduce, between training steps, / 2(N-1):
+  :func:`latency_from_step_probe`; ``report --latency-from probe``: the median, over
+  ``LATENCY_PROBES`` independent probe runs, of the median all_reduce time of 64 bytes on
+  idle ranks, / 2(N-1): :func:`latency_from_probes`) and bulk efficiency (4 MiB all_reduce
+  rate / nominal rate); and, beside
   a compute loop on every rank (the contention probe, ``contention_worker``), the compute time
   the link's traffic takes per byte sent (``comm_cpu_s_per_byte``) and the wall time one
   synchronization costs beyond a 4-byte all-reduce's latency (``sync_s``, charged once per
@@ -113,10 +115,13 @@ def load_average() -> str:
 PROBE_PORT = "29519"   # free in rank 0's fresh namespace
 
 
-def join_probe_group() -> None:
+def join_probe_group() -> Optional[int]:
     """A probe rank's set-up, as a lowband worker's: its C heap in the workers' default mode
     (:mod:`lowband.memory`), one intra-op thread, the gloo group of the launcher's environment
-    and its threads' scheduler slice in the workers' default (:mod:`lowband.comm_threads`)."""
+    and its threads' scheduler slice in the workers' default, once every one of them runs
+    (:func:`lowband.comm_threads.shorten_settled`; until the twenty-seventh session the slice
+    was asked for right after ``init_process_group`` and missed 1 or 2 of gloo's 3 threads).
+    Returns how many threads took it (None: a kernel without custom slices)."""
     import torch
     import torch.distributed as dist
     from lowband import comm_threads, memory
@@ -124,14 +129,14 @@ def join_probe_group() -> None:
     memory.configure(memory.DEFAULT_MODE)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    comm_threads.shorten(TrainConfig().comm_slice_us)
+    return comm_threads.shorten_settled(TrainConfig().comm_slice_us)
 
 
 def probe_worker(size: int, iters: int) -> None:
     """One rank of the probe: time ``iters`` all_reduces of ``size`` bytes, wall and CPU."""
     import torch
     import torch.distributed as dist
-    join_probe_group()
+    sliced = join_probe_group()
     dist.all_reduce(torch.ones(16))
     walls, cpus = [], []
     for _ in range(iters):
@@ -141,7 +146,7 @@ def probe_worker(size: int, iters: int) -> None:
         dist.all_reduce(t)
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
-    print(json.dumps({"walls": walls, "cpus": cpus}), flush=True)
+    print(json.dumps({"walls": walls, "cpus": cpus, "sliced": sliced}), flush=True)
     dist.destroy_process_group()
 
 
@@ -162,7 +167,7 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
     import torch
     import torch.distributed as dist
     from lowband.collectives.wire import allreduce_bytes
-    join_probe_group()
+    sliced = join_probe_group()
     world = dist.get_world_size()
     a = torch.randn(160, 160)
 
@@ -185,7 +190,7 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
     payload, flag = torch.ones(size // 4), torch.zeros(1)
     per_sync = max(1, int(round(0.015 / per_block)))     # ~15 ms of compute between syncs
     out = {"blocks": n, "allreduces": k, "bytes_sent": k * wire, "alone": [], "beside": [], "comm_s": [],
-           "sync_blocks": per_sync, "syncs": n // per_sync, "unsynced": [], "synced": []}
+           "sync_blocks": per_sync, "syncs": n // per_sync, "unsynced": [], "synced": [], "sliced": sliced}
     for _ in range(rounds):
         dist.barrier()
         t0 = time.perf_counter(); blocks(n); out["alone"].append(time.perf_counter() - t0)
@@ -264,14 +269,14 @@ def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
     from lowband.models import make_model
     from lowband.perf.profile import example_batch
     from lowband.tasks import loss
-    join_probe_group()
+    sliced = join_probe_group()
     torch.manual_seed(0)
     model = make_model(model_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = example_batch(model_name, model, 64)
     flag = torch.zeros(1)
     links = [torch.zeros(CHAIN_FLOATS) for _ in range(CHAIN_LINKS)]
-    out = {"steps": steps, "first": [], "second": [], "chained": []}
+    out = {"steps": steps, "first": [], "second": [], "chained": [], "sliced": sliced}
     for r in range(rounds + 1):           # round 0 warms up
         dist.barrier()
         first, second, chained = [], [], []
@@ -376,8 +381,8 @@ def latency_from_step_probe(met_again_s: float, world: int) -> float:
     another, between training steps: the CPUs awake, the ranks just met), over the ring's
     2(N-1) messages. The idle 64-byte probe has a high mode on the 2-core vm (2.6-3.9 ms per call
     at 2 workers, in 14 of 15 runs of the twenty-sixth session) that no training step shows
-    (results.md); ``report --latency-from step`` predicts with this instead. Chosen after those
-    runs: a fresh validation decides it."""
+    (results.md). The report's default since the twenty-seventh session, set before that
+    session's validation runs (``report --latency-from probe``: the idle probe)."""
     from lowband.collectives.wire import allreduce_messages
     if world < 2:
         raise ValueError("a latency needs at least 2 workers")
@@ -461,7 +466,7 @@ def measured_tau(steps: list[dict]) -> tuple[float, int]:
 
 
 def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, burst: bool = True,
-                 contention: bool = True, step_sync: bool = True, latency_from: str = "probe") -> None:
+                 contention: bool = True, step_sync: bool = True, latency_from: str = "step") -> None:
     """Predict one ``noop,ALG`` pair. ``contention``: take gloo's CPU cost per byte and the
     per-collective synchronization cost from the probe beside compute (when the run has it),
     not the per-byte CPU time of an all-reduce with nothing else running. ``step_sync``: the
@@ -612,7 +617,8 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = the run's steady steps "
         "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd, the "
         "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
-        "mean = the plain mean of the same steps; predicted = the model with the link probe's latency, efficiency, "
+        "mean = the plain mean of the same steps; predicted = the model with the per-message latency (the step probe's second all-reduce "
+        "over the ring's 2(N-1) messages, unless stated above), the link probe's efficiency, "
         f"gloo CPU cost per byte and synchronization cost per collective ({cost}), {stepsync}, {bucket}, and the compute scale "
         "from the noop run just before; with interleaved rounds (noop, ALG, noop, ALG, ...: `run --rounds`), each "
         "round predicted with its own noop run, the row is the round with the median error (the mean of the two "
@@ -665,9 +671,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     for r in rows:
         r["command"] = r["command"].replace(here, os.path.normpath(args.out))
     body = render(rows, args.profile, profile)
-    if args.latency_from == "step" and args.latency is None:
-        body = ("Latency: the step probe's warm all-reduce over the ring's messages "
-                "(`report --latency-from step`), not the idle 64-byte probe.\n\n" + body)
+    if args.latency_from == "probe" and args.latency is None:
+        body = ("Latency: the idle 64-byte probe's runs over the ring's messages "
+                "(`report --latency-from probe`), not the step probe's warm all-reduce.\n\n" + body)
     print(body)
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump(rows, f, indent=1)
@@ -695,7 +701,7 @@ def main(argv=None) -> int:
     p.add_argument("--doc", default=None)
     p.add_argument("--section", default="perfmodel-validation")
     p.add_argument("--latency", default=None, help="use this per-message latency (e.g. 100us) instead of the probe's")
-    p.add_argument("--latency-from", choices=("probe", "step"), default="probe",
+    p.add_argument("--latency-from", choices=("probe", "step"), default="step",
                    help="probe: the per-message latency of the idle 64-byte all-reduce (median of five runs); "
                         "step: of the step probe's second all-reduce between training steps (runs without a "
                         "step probe keep the idle one) (default: %(default)s)")

@@ -142,3 +142,20 @@ def shorten(slice_us: int) -> Optional[int]:
                 continue
             return None
     return done
+
+
+def shorten_settled(slice_us: int, group=None) -> Optional[int]:
+    """:func:`shorten` for a process whose gloo ``group`` (None: the default group) may have just
+    been made: first one 1-element all-reduce and a barrier on it, as gloo starts a group's
+    threads as it connects and each names itself once it runs, so right after
+    ``init_process_group`` or ``new_group`` some are not there or not named yet (the validation's
+    probes, which shortened right after ``init_process_group``, reached 1 or 2 of the group's 3
+    threads; docs/results.md, "Twenty-seventh session"). A training worker needs none of this:
+    it shortens after its first step, when every group has run a collective. Every rank of
+    ``group`` must call it."""
+    import torch
+    import torch.distributed as dist
+    check_slice(slice_us)
+    dist.all_reduce(torch.zeros(1), group=group)
+    dist.barrier(group=group)
+    return shorten(slice_us)
