@@ -22,7 +22,8 @@ What is predicted and what is taken from the run under test:
   synchronization costs beyond a 4-byte all-reduce's latency (``sync_s``, charged once per
   collective); ``report --idle-cpu-probe`` uses instead the per-byte CPU time of an all-reduce
   on an idle machine and no synchronization cost (the model before 2026-12-02); and, with the
-  model's own training step on every rank (the step probe, ``step_sync_worker``), two 4-byte
+  model's own training step on every rank (the step probe, ``step_sync_worker``, run
+  ``STEP_PROBES`` times in fresh processes, each cost the median of the runs'), two 4-byte
   all-reduces after each backward, each timed on every rank: the first gives the least time of
   the collective that ends a step (``step_sync_s``: the later rank's arrival after a whole
   step), the second what a tiny collective right behind another costs (``exchange_s``, charged
@@ -311,6 +312,27 @@ def probe_contention(link: str, world: int, rounds: int = 5) -> dict:
             "ranks": outs}
 
 
+#: independent runs of the step probe (fresh processes each) behind its costs, from the
+#: twenty-seventh session on: one run's chained links read 0.67-2.04 ms at 2 workers from one
+#: group to the next (runs/s27/val), the per-process spread the idle probe showed too
+STEP_PROBES = 3
+
+
+def probed_costs(pr: dict) -> dict:
+    """The step probe's costs of a run's probe record, by today's rule (:func:`step_probe_costs`
+    on the raw timings runs keep): the median over its ``STEP_PROBES`` runs of each cost (each
+    chained link separately); runs made before this rule hold one step probe, whose
+    costs are taken as they are (up to runs/s27/val); runs before the step probe, none ({})."""
+    runs = pr.get("step_syncs") or ([pr["step_sync"]] if "step_sync" in pr else [])
+    each = [step_probe_costs(r["ranks"]) for r in runs]
+    if not each:
+        return {}
+    out = {k: statistics.median(c[k] for c in each) for k in ("step_sync_s", "met_again_s")}
+    if all("chained_s" in c for c in each):
+        out["chained_s"] = [statistics.median(c["chained_s"][i] for c in each) for i in range(len(each[0]["chained_s"]))]
+    return out
+
+
 def probe_step_sync(link: str, world: int, model: str, rounds: int = 4, steps: int = 30) -> dict:
     """The step probe (:func:`step_sync_worker`) on every rank; its costs by :func:`step_probe_costs`."""
     outs = _probe_ranks(link, world, ["probe-step-sync-worker", model, str(rounds), str(steps)])
@@ -401,7 +423,8 @@ def probe(link: str, world: int, model: str = "cnn") -> dict:
     return {"latency_s": latency_from_probes([r["wall_s"] for r in smalls], world),
             "efficiency": min(1.0, wire * 8 / big["wall_s"] / parse_rate(link)),
             "cpu_s_per_byte": big["cpu_s"] / wire, "smalls": smalls, "big": big,
-            "contention": probe_contention(link, world), "step_sync": probe_step_sync(link, world, model)}
+            "contention": probe_contention(link, world),
+            "step_syncs": [probe_step_sync(link, world, model) for _ in range(STEP_PROBES)]}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -449,9 +472,22 @@ def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
     return window[-keep:]
 
 
+def measurement_cycle(name: str, opts: dict) -> int:
+    """Steps per block of a run's measured window: the model's period of the algorithm's step
+    pattern, except CP-SGD's ``spread`` correction (its default), which sends the same bytes
+    every step, so its steps are taken singly, as ``ssgd``'s are. (Before the twenty-seventh
+    session, 20-step blocks: the 27 steps after a 10-step warm-up were one block, a plain mean
+    with every load spike in it.) The model still simulates whole k-step cycles: its lead-in
+    must outlast the links' token bucket, not only the pattern."""
+    from lowband.perf.model import MODELS
+    if name == "cpsgd" and opts.get("correction", "spread") != "burst":
+        return 1
+    return max(1, int(math.ceil(MODELS[name].cycle(opts))))
+
+
 def robust_step(steps: list[dict], cycle: int) -> float:
     """Median over consecutive blocks of ``cycle`` steps of each block's mean step time. Any
-    ``cycle`` consecutive steps hold exactly one periodic step (a CP-SGD correction, a local-SGD
+    ``cycle`` consecutive steps hold exactly one periodic step (a CP-SGD burst correction, a local-SGD
     average), so every block mean is a fair sample of the mean step, and the median discards
     blocks hit by a load spike of the shared machine."""
     blocks = [steps[i:i + cycle] for i in range(0, len(steps) - cycle + 1, cycle)] or [steps]
@@ -485,7 +521,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
     rate, world = parse_rate(meta["link"]), meta["workers"]
     pr = meta["probe"]
     # the step probe's costs, recomputed from its raw timings by today's rule (runs keep them)
-    probed = step_probe_costs(pr["step_sync"]["ranks"]) if "step_sync" in pr else {}
+    probed = probed_costs(pr)
     if latency_s is None and latency_from == "step" and probed:
         latency_s = latency_from_step_probe(probed["met_again_s"], world)
     if latency_s is None and "smalls" in pr:   # the probe runs themselves: today's statistic
@@ -518,7 +554,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             _, opts = parse_algorithm(spec)
             scale = robust_step(steady_steps(runs["noop"], "noop", 1), 1) / profile.compute_s
             extra = ""
-            cycle = max(1, int(math.ceil(MODELS[name].cycle(opts))))
+            cycle = measurement_cycle(name, opts)
             steps = steady_steps(runs[spec], name, cycle)
             if name == "lazy":
                 tau, syncs = measured_tau(steps)

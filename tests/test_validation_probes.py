@@ -72,3 +72,31 @@ def test_the_step_probe_latency_is_its_warm_all_reduce_over_the_rings_messages()
     assert validate.latency_from_step_probe(0.72e-3, 4) == pytest.approx(0.12e-3)
     with pytest.raises(ValueError):
         validate.latency_from_step_probe(1e-3, 1)
+
+
+def test_cpsgd_spread_steps_are_measured_singly_and_burst_ones_in_k_step_blocks():
+    """The spread correction sends the same bytes every step (no periodic step to keep whole);
+    a burst correction makes one step in k an fp32 step, so blocks of k hold one each."""
+    assert validate.measurement_cycle("cpsgd", {}) == 1
+    assert validate.measurement_cycle("cpsgd", {"correction": "spread", "correction_period": 50}) == 1
+    assert validate.measurement_cycle("cpsgd", {"correction": "burst", "correction_period": 5}) == 5
+    assert validate.measurement_cycle("cpsgd", {"correction": "burst"}) == 20
+    assert validate.measurement_cycle("localsgd", {"period": 4}) == 4
+    assert validate.measurement_cycle("ssgd", {}) == 1
+
+
+def _step_probe_run(first: float, second: float, links: tuple) -> dict:
+    rank = {"first": [[first] * 3], "second": [[second] * 3], "chained": [[list(links)] * 3]}
+    return {"ranks": [rank, rank]}
+
+
+def test_the_step_probes_costs_are_the_median_of_its_runs_each_cost_apart():
+    runs = [_step_probe_run(1e-3, 2e-4, (0.7e-3, 2.0e-3)), _step_probe_run(3e-3, 1e-4, (1.9e-3, 0.7e-3)),
+            _step_probe_run(2e-3, 3e-4, (1.3e-3, 1.2e-3))]
+    costs = validate.probed_costs({"step_syncs": runs})
+    assert costs["step_sync_s"] == pytest.approx(2e-3) and costs["met_again_s"] == pytest.approx(2e-4)
+    assert costs["chained_s"] == pytest.approx([1.3e-3, 1.2e-3])
+    # a run of before the rule: its one probe as it is; before the step probe: nothing
+    one = validate.probed_costs({"step_sync": runs[1]})
+    assert one["step_sync_s"] == pytest.approx(3e-3) and one["chained_s"] == pytest.approx([1.9e-3, 0.7e-3])
+    assert validate.probed_costs({}) == {}
