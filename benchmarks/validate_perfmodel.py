@@ -651,8 +651,8 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         f"Regenerate: `python benchmarks/validate_perfmodel.py report --out DIR --profile {profile_name} --doc docs/results.md`.",
         "",
         f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = the run's steady steps "
-        "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd, the "
-        "period for localsgd, 1 otherwise) of each block's mean step (robust to load spikes; lazy: the plain mean); "
+        "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd's burst "
+        "correction, the period for localsgd, 1 otherwise, cpsgd's default spread correction included) of each block's mean step (robust to load spikes; lazy: the plain mean); "
         "mean = the plain mean of the same steps; predicted = the model with the per-message latency (the step probe's second all-reduce "
         "over the ring's 2(N-1) messages, unless stated above), the link probe's efficiency, "
         f"gloo CPU cost per byte and synchronization cost per collective ({cost}), {stepsync}, {bucket}, and the compute scale "
