@@ -474,14 +474,9 @@ def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
 
 def measurement_cycle(name: str, opts: dict) -> int:
     """Steps per block of a run's measured window: the model's period of the algorithm's step
-    pattern, except CP-SGD's ``spread`` correction (its default), which sends the same bytes
-    every step, so its steps are taken singly, as ``ssgd``'s are. (Before the twenty-seventh
-    session, 20-step blocks: the 27 steps after a 10-step warm-up were one block, a plain mean
-    with every load spike in it.) The model still simulates whole k-step cycles: its lead-in
-    must outlast the links' token bucket, not only the pattern."""
+    pattern (``AlgorithmModel.cycle``; 1 for CP-SGD's default ``spread`` correction, which
+    sends the same bytes every step: its steps are taken singly, as ``ssgd``'s are)."""
     from lowband.perf.model import MODELS
-    if name == "cpsgd" and opts.get("correction", "spread") != "burst":
-        return 1
     return max(1, int(math.ceil(MODELS[name].cycle(opts))))
 
 

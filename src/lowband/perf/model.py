@@ -56,6 +56,15 @@ DEFAULT_TAU = 4.0
 #: one step for both, same benchmark): where the profile measured it (``fused_update_s``),
 #: the model charges that pass instead of the global step plus this cost.
 LOCAL_UPDATE_COST = {"optimizer": 2.0, "sgd": 1.0, "none": 0.3}
+#: steps :func:`estimate` simulates before it starts measuring (at least one whole cycle;
+#: before the twenty-eighth session max(2, cycle)): a depth-1 pipeline on a link slower than
+#: its compute fills its backlog in 3-4 steps (cpsgd without a correction, cnn at 50 Mbit/s;
+#: a 2-step lead-in read it 11% fast), and the links' token bucket starts empty in the
+#: simulation (steady state), so 8 steps reach the steady state of every modelled algorithm on
+#: the benchmark's links (tests/test_perfmodel.py checks it against 60 steps). Not always
+#: behind a deep bucket on a link only just slower than the compute: with 1 MB at 200-500
+#: Mbit/s, cpsgd on cnn drains it by a few KB per step and turns 5-7% slower after ~30 steps.
+LEAD_IN_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -155,9 +164,11 @@ class _Step:
         self.N = cluster.workers
         self.net = cluster.network
         self.g = Graph()
-        if self.net.burst_bytes > 0:    # the link's token bucket (tc tbf), carried across collectives
+        if self.net.burst_bytes > 0:    # the link's token bucket (tc tbf), carried across collectives;
+            # empty at the start: :func:`estimate` wants the steady state, which its lead-in
+            # reaches from an empty bucket and not always from a full one (LEAD_IN_STEPS)
             self.g.shapers["net"] = TokenBucket(self.net.burst_bytes, self.net.bandwidth_bps / 8.0,
-                                                self.net.transfer_s(1.0))
+                                                self.net.transfer_s(1.0), start_full=False)
         shares = prof.codec_shares_compute if cluster.codec_shares_compute is None else cluster.codec_shares_compute
         self.codec_res = "compute" if shares else "codec"
         self.wire: dict[int, float] = {}          # task -> bytes this worker sends
@@ -789,6 +800,14 @@ def _one(_o: dict) -> float:
     return 1.0
 
 
+def _cpsgd_cycle(o: dict) -> float:
+    """CP-SGD's pattern: the burst correction's k steps; the spread correction (the default)
+    sends the same bytes every step, so its steps are all alike (as ``ssgd``'s)."""
+    if o.get("correction", "spread") == "burst":
+        return float(o.get("correction_period", 20) or 1)
+    return 1.0
+
+
 MODELS: dict[str, AlgorithmModel] = {
     "noop": AlgorithmModel(_noop, _one, "exact structure: forward, backward, optimizer"),
     "ssgd": AlgorithmModel(_ssgd, _one, "bucketed ring all-reduce overlapped with backward (BucketSet rule); the engine's "
@@ -802,7 +821,7 @@ MODELS: dict[str, AlgorithmModel] = {
                                    "them; matmul phases measured (else lowband's powersgd codec)"),
     "compressed": AlgorithmModel(_compressed, _one,
                                  "steady state after warm-up; codec chain on one background thread; fp32 1-D buckets"),
-    "cpsgd": AlgorithmModel(_cpsgd, lambda o: float(o.get("correction_period", 20) or 1), "depth-1 pipeline, burst or spread "
+    "cpsgd": AlgorithmModel(_cpsgd, _cpsgd_cycle, "depth-1 pipeline, burst or spread "
                             "correction; local update cost as a multiple of the optimizer step"),
     "lazy": AlgorithmModel(_lazy, lambda o: float(o.get("tau", DEFAULT_TAU)),
                            "regular buckets overlapped; lazy fused all-reduce every tau steps (tau given)"),
@@ -837,16 +856,17 @@ def algorithm_defaults(name: str) -> dict[str, Any]:
 
 
 def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster,
-             cycles: int = 2, max_steps: int = 400) -> StepEstimate:
+             cycles: int = 2, max_steps: int = 400, lead_in: Optional[int] = None) -> StepEstimate:
     """Steady-state mean step time of ``algorithm`` on ``cluster``: simulate a lead-in of
-    whole cycles, then ``cycles`` more, and average the steps of the last cycles. Knobs not
-    in ``options`` take the registry algorithm's defaults."""
+    ``lead_in`` steps (default: :data:`LEAD_IN_STEPS`, at least one whole cycle), then
+    ``cycles`` whole cycles (at least 4 steps), and average the steps after the lead-in. Knobs
+    not in ``options`` take the registry algorithm's defaults."""
     if algorithm not in MODELS:
         raise ValueError(f"no performance model for algorithm {algorithm!r}; modelled: {', '.join(sorted(MODELS))}")
     o = {**algorithm_defaults(algorithm), **(options or {})}
     m = MODELS[algorithm]
     cycle = max(1, int(math.ceil(m.cycle(o))))
-    lead = max(2, cycle)
+    lead = max(LEAD_IN_STEPS, cycle) if lead_in is None else max(1, int(lead_in))
     measured = max(cycle * cycles, 4)
     if lead + measured > max_steps:          # a long period: fewer, but whole, cycles
         measured = max(cycle, (max_steps - lead) // cycle * cycle)

@@ -43,8 +43,12 @@ class TokenBucket:
         refill_bytes_per_s: the nominal rate, at which the bucket refills.
         seconds_per_byte: what one byte costs in a task's duration at the shaped rate (the
             network's achieved rate), i.e. what each byte let through early saves.
+        start_full: the bucket's state at time 0: full (tbf's, at the start of a run), or
+            empty (a steady-state simulation: a link-bound schedule keeps the bucket empty, so
+            starting there converges at once, where a full bucket takes ``burst / deficit``
+            steps to drain; a compute-bound one refills it in its first idle gap either way).
 
-    The bucket starts full. A task that starts at ``now`` finds
+    A task that starts at ``now`` finds
     ``min(burst, left + (now - last_end) * refill)`` bytes in it, spends up to its
     ``shaped_bytes`` of them, and leaves the rest for the next task; no refill is counted while
     a task runs (a message longer than the bucket drains it at the shaped rate).
@@ -53,6 +57,7 @@ class TokenBucket:
     burst_bytes: float
     refill_bytes_per_s: float
     seconds_per_byte: float
+    start_full: bool = True
     tokens: float = field(init=False, default=0.0)
     last_end: float = field(init=False, default=0.0)
 
@@ -62,8 +67,8 @@ class TokenBucket:
         self.reset()
 
     def reset(self) -> None:
-        """Full bucket at time 0 (the start of a simulation)."""
-        self.tokens, self.last_end = self.burst_bytes, 0.0
+        """The bucket at time 0 (the start of a simulation): full, or empty (``start_full``)."""
+        self.tokens, self.last_end = (self.burst_bytes if self.start_full else 0.0), 0.0
 
     def admit(self, now: float, duration: float, nbytes: float) -> float:
         """Duration of a task of ``duration`` (at the shaped rate) moving ``nbytes``, starting at ``now``."""
