@@ -607,7 +607,7 @@ def test_estimate_reads_the_steady_state_after_its_lead_in(rate, burst):
     """Every modelled algorithm's default estimate equals one measured after a 60-step lead-in,
     on the benchmark's links (tbf with lowband's automatic burst) and behind a deep (1 MB)
     bucket: the lead-in outlasts a depth-1 pipeline filling its backlog (cpsgd with no
-    correction, cnn at 50 Mbit/s: 11% fast with the old 2-step lead-in), and the token bucket
+    correction, cnn at 50 Mbit/s: 14% fast with the old 2-step lead-in), and the token bucket
     starts empty (a full 1 MB bucket read compressed at 20 Mbit/s 69% fast after 8 steps)."""
     from lowband.netem import auto_burst, parse_rate
     prof = load_profile("cnn-2core")

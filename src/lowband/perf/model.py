@@ -59,11 +59,12 @@ LOCAL_UPDATE_COST = {"optimizer": 2.0, "sgd": 1.0, "none": 0.3}
 #: steps :func:`estimate` simulates before it starts measuring (at least one whole cycle;
 #: before the twenty-eighth session max(2, cycle)): a depth-1 pipeline on a link slower than
 #: its compute fills its backlog in 3-4 steps (cpsgd without a correction, cnn at 50 Mbit/s;
-#: a 2-step lead-in read it 11% fast), and the links' token bucket starts empty in the
-#: simulation (steady state), so 8 steps reach the steady state of every modelled algorithm on
-#: the benchmark's links (tests/test_perfmodel.py checks it against 60 steps). Not always
-#: behind a deep bucket on a link only just slower than the compute: with 1 MB at 200-500
-#: Mbit/s, cpsgd on cnn drains it by a few KB per step and turns 5-7% slower after ~30 steps.
+#: the old 2-step lead-in from a full bucket read it 14% fast), and the links' token bucket
+#: starts empty in the simulation (steady state), so 8 steps reach the steady state of every
+#: modelled algorithm on the benchmark's links (tests/test_perfmodel.py checks it against 60
+#: steps). Not always behind a deep bucket on a link only just slower than the compute: with
+#: 1 MB at 200-500 Mbit/s, cpsgd on cnn drains it by a few KB per step and turns 5-7% slower
+#: after ~30 steps.
 LEAD_IN_STEPS = 8
 
 
