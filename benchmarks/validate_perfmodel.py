@@ -472,14 +472,6 @@ def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
     return window[-keep:]
 
 
-def measurement_cycle(name: str, opts: dict) -> int:
-    """Steps per block of a run's measured window: the model's period of the algorithm's step
-    pattern (``AlgorithmModel.cycle``; 1 for CP-SGD's default ``spread`` correction, which
-    sends the same bytes every step: its steps are taken singly, as ``ssgd``'s are)."""
-    from lowband.perf.model import MODELS
-    return max(1, int(math.ceil(MODELS[name].cycle(opts))))
-
-
 def robust_step(steps: list[dict], cycle: int) -> float:
     """Median over consecutive blocks of ``cycle`` steps of each block's mean step time. Any
     ``cycle`` consecutive steps hold exactly one periodic step (a CP-SGD burst correction, a local-SGD
@@ -504,7 +496,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
     least time of the collective that ends a step and the finiteness exchange's cost from the
     step probe (when the run has it); otherwise no step-end lag and the exchange at the
     network's all-reduce time."""
-    from lowband.perf.model import MODELS, Cluster, estimate
+    from lowband.perf.model import MODELS, Cluster, estimate, pattern_steps
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
     from lowband.netem import auto_burst, parse_rate
@@ -549,13 +541,13 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
             _, opts = parse_algorithm(spec)
             scale = robust_step(steady_steps(runs["noop"], "noop", 1), 1) / profile.compute_s
             extra = ""
-            cycle = measurement_cycle(name, opts)
+            cycle = pattern_steps(name, opts)
             steps = steady_steps(runs[spec], name, cycle)
             if name == "lazy":
                 tau, syncs = measured_tau(steps)
                 opts["tau"] = tau
                 extra = f"tau {tau:.1f} ({syncs} syncs in {len(steps)} steps)"
-                cycle = max(1, int(math.ceil(tau)))
+                cycle = pattern_steps(name, opts)
                 steps = steady_steps(runs[spec], name, cycle)
             # lazy: tau varies within the run, so its blocks would not hold one sync each: plain mean
             robust = statistics.mean(s["step_s"] for s in steps) if name == "lazy" else robust_step(steps, cycle)
@@ -646,8 +638,10 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
         f"Regenerate: `python benchmarks/validate_perfmodel.py report --out DIR --profile {profile_name} --doc docs/results.md`.",
         "",
         f"**{within} of {len(rows)} predictions within {TARGET:.0%}.** Columns: measured = the run's steady steps "
-        "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period (k for cpsgd's burst "
-        "correction, the period for localsgd, 1 otherwise, cpsgd's default spread correction included) of each block's mean step (robust to load spikes; lazy: the plain mean); "
+        "(steps.jsonl, after the warm-up), as the median over consecutive blocks of one period of the step pattern "
+        "(`pattern_steps`, knobs at the code's defaults: k for cpsgd's burst correction, localsgd's period, the diloco methods' sync_every, "
+        "1 otherwise, cpsgd's default spread correction included) of each block's mean step (robust to load "
+        "spikes; lazy: the plain mean); "
         "mean = the plain mean of the same steps; predicted = the model with the per-message latency (the step probe's second all-reduce "
         "over the ring's 2(N-1) messages, unless stated above), the link probe's efficiency, "
         f"gloo CPU cost per byte and synchronization cost per collective ({cost}), {stepsync}, {bucket}, and the compute scale "

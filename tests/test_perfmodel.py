@@ -8,7 +8,7 @@ import pytest
 
 from lowband.algorithms.buckets import plan_buckets
 from lowband.collectives import wire
-from lowband.perf.model import MODELS, Cluster, algorithm_defaults, estimate, lazy_split
+from lowband.perf.model import MODELS, Cluster, algorithm_defaults, estimate, lazy_split, pattern_steps
 from lowband.perf.network import Network, parse_latency
 from lowband.perf.profile import CodecInfo, ParamInfo, Profile, ProfileError, load_profile
 from lowband.perf.simulate import Graph, Task, TokenBucket
@@ -599,6 +599,24 @@ def test_token_bucket_lets_a_burst_through_at_line_speed_then_the_rate():
     g.tasks.append(Task("m", "net", 1.0, []))
     g.tasks[0].shaped_bytes = 1e9
     assert g.run() == pytest.approx(1.0)
+
+
+def test_pattern_steps_take_the_codes_defaults():
+    """The period of each algorithm's step pattern, with the knobs it is not given at the
+    registry's defaults (what estimate simulates and the validation measures in blocks of):
+    CP-SGD's spread correction sends the same bytes every step, a burst one makes one step in k
+    an fp32 step; DiLoCo syncs every 16 steps by default (the validation once took its raw
+    options and measured it in 50-step blocks, the model's fallback)."""
+    assert pattern_steps("cpsgd", {}) == 1
+    assert pattern_steps("cpsgd", {"correction": "spread", "correction_period": 50}) == 1
+    assert pattern_steps("cpsgd", {"correction": "burst", "correction_period": 5}) == 5
+    assert pattern_steps("cpsgd", {"correction": "burst"}) == 20
+    assert pattern_steps("localsgd", {"period": 8}) == 8
+    assert pattern_steps("diloco", {}) == algorithm_defaults("diloco")["sync_every"] == 16
+    assert pattern_steps("lazy", {"tau": 3.2}) == 4
+    assert pattern_steps("ssgd", {}) == 1
+    with pytest.raises(ValueError):
+        pattern_steps("nope", {})
 
 
 @pytest.mark.parametrize("rate, burst", [("1gbit", None), ("200mbit", None), ("50mbit", None), ("20mbit", None),

@@ -74,17 +74,6 @@ def test_the_step_probe_latency_is_its_warm_all_reduce_over_the_rings_messages()
         validate.latency_from_step_probe(1e-3, 1)
 
 
-def test_cpsgd_spread_steps_are_measured_singly_and_burst_ones_in_k_step_blocks():
-    """The spread correction sends the same bytes every step (no periodic step to keep whole);
-    a burst correction makes one step in k an fp32 step, so blocks of k hold one each."""
-    assert validate.measurement_cycle("cpsgd", {}) == 1
-    assert validate.measurement_cycle("cpsgd", {"correction": "spread", "correction_period": 50}) == 1
-    assert validate.measurement_cycle("cpsgd", {"correction": "burst", "correction_period": 5}) == 5
-    assert validate.measurement_cycle("cpsgd", {"correction": "burst"}) == 20
-    assert validate.measurement_cycle("localsgd", {"period": 4}) == 4
-    assert validate.measurement_cycle("ssgd", {}) == 1
-
-
 def _step_probe_run(first: float, second: float, links: tuple) -> dict:
     rank = {"first": [[first] * 3], "second": [[second] * 3], "chained": [[list(links)] * 3]}
     return {"ranks": [rank, rank]}

@@ -721,13 +721,13 @@ def _lazy(st: _Step, o: dict, steps: int) -> list[int]:
     return ends
 
 
-def _periodic_average(st: _Step, o: dict, steps: int, period_key: str, default_period: int,
-                      outer_step: bool, kind: str) -> list[int]:
+def _periodic_average(st: _Step, o: dict, steps: int, period_key: str, outer_step: bool,
+                      kind: str) -> list[int]:
     """Local steps; every ``period`` steps one fp32 all-reduce of all parameters (one call per
     dtype) after the optimizer step, on the critical path (DiLoCo: of the pseudo-gradients, then
     an outer optimizer step). Every step also pays ``kind``'s measured engine overhead (for
     DiLoCo, torchft's manager and optimizer wrapper)."""
-    period = max(1, int(o.get(period_key, default_period)))
+    period = max(1, int(o[period_key]))     # the code's default when not given (estimate)
     ends, prev = [], None
     for s in range(steps):
         _, _, b = st.forward_backward(s, [prev])
@@ -803,9 +803,10 @@ def _one(_o: dict) -> float:
 
 def _cpsgd_cycle(o: dict) -> float:
     """CP-SGD's pattern: the burst correction's k steps; the spread correction (the default)
-    sends the same bytes every step, so its steps are all alike (as ``ssgd``'s)."""
-    if o.get("correction", "spread") == "burst":
-        return float(o.get("correction_period", 20) or 1)
+    sends the same bytes every step, so its steps are all alike (as ``ssgd``'s). ``o`` holds
+    every knob (:func:`pattern_steps`)."""
+    if o["correction"] == "burst":
+        return float(o["correction_period"] or 1)
     return 1.0
 
 
@@ -826,10 +827,10 @@ MODELS: dict[str, AlgorithmModel] = {
                             "correction; local update cost as a multiple of the optimizer step"),
     "lazy": AlgorithmModel(_lazy, lambda o: float(o.get("tau", DEFAULT_TAU)),
                            "regular buckets overlapped; lazy fused all-reduce every tau steps (tau given)"),
-    "localsgd": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "period", 4, False, "localsgd"),
-                               lambda o: float(o.get("period", 4)), "parameter all-reduce every period steps"),
-    "diloco": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "sync_every", 50, True, "diloco"),
-                             lambda o: float(o.get("sync_every", 50)),
+    "localsgd": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "period", False, "localsgd"),
+                               lambda o: float(o["period"]), "parameter all-reduce every period steps"),
+    "diloco": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "sync_every", True, "diloco"),
+                             lambda o: float(o["sync_every"]),
                              "as localsgd plus an outer optimizer step"),
     "streaming-diloco": AlgorithmModel(
         _streaming_diloco, lambda o: float(max(1, int(o.get("sync_every", 16)))),
@@ -856,17 +857,27 @@ def algorithm_defaults(name: str) -> dict[str, Any]:
     return out
 
 
+def pattern_steps(algorithm: str, options: Optional[dict[str, Any]] = None) -> int:
+    """Steps per period of ``algorithm``'s step pattern (``AlgorithmModel.cycle``, knobs not in
+    ``options`` at the registry's defaults): any that many consecutive steps hold each kind of
+    step once (a burst correction, a local-SGD average, a lazy sync); 1 where every step is
+    alike (``ssgd``, CP-SGD's spread correction). What :func:`estimate` simulates in whole
+    periods and what the validation measures in blocks of."""
+    if algorithm not in MODELS:
+        raise ValueError(f"no performance model for algorithm {algorithm!r}; modelled: {', '.join(sorted(MODELS))}")
+    o = {**algorithm_defaults(algorithm), **(options or {})}
+    return max(1, int(math.ceil(MODELS[algorithm].cycle(o))))
+
+
 def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster,
              cycles: int = 2, max_steps: int = 400, lead_in: Optional[int] = None) -> StepEstimate:
     """Steady-state mean step time of ``algorithm`` on ``cluster``: simulate a lead-in of
     ``lead_in`` steps (default: :data:`LEAD_IN_STEPS`, at least one whole cycle), then
     ``cycles`` whole cycles (at least 4 steps), and average the steps after the lead-in. Knobs
     not in ``options`` take the registry algorithm's defaults."""
-    if algorithm not in MODELS:
-        raise ValueError(f"no performance model for algorithm {algorithm!r}; modelled: {', '.join(sorted(MODELS))}")
+    cycle = pattern_steps(algorithm, options)
     o = {**algorithm_defaults(algorithm), **(options or {})}
     m = MODELS[algorithm]
-    cycle = max(1, int(math.ceil(m.cycle(o))))
     lead = max(LEAD_IN_STEPS, cycle) if lead_in is None else max(1, int(lead_in))
     measured = max(cycle * cycles, 4)
     if lead + measured > max_steps:          # a long period: fewer, but whole, cycles
