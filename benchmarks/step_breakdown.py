@@ -7,7 +7,9 @@ optimizer step, CP-SGD's fused SGD pass and in-flight result. Prints, per rank, 
 steps (after ``--skip``) of each piece's total wall time in that step, in ms (``mark``: the
 bucket copies with the launches they trigger; ``guard_hook``: the guard's part of the gradient
 hook, which contains ``mark``; background-thread pieces are charged to the step the training
-thread is in).
+thread is in). With ``--clock cpu`` the pieces are the calling thread's CPU time instead.
+``process_cpu`` is the whole process's CPU time per step (every thread: the pipeline's and
+gloo's too), the number that decides a step on a machine with no spare core.
 
 Every rank trains ``cnn`` on synthetic Fashion-MNIST-shaped data with one intra-op thread.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import resource
 import statistics
 import time
 
@@ -46,8 +49,18 @@ TIMED = [
 ]
 
 
+def _process_cpu() -> float:
+    """CPU seconds of this process so far, every thread (the pipeline's and gloo's included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 #: the step being timed (the training loop advances it); every timed call is charged to it
 CURRENT_STEP = [0]
+
+
+#: the clock of the timed pieces: wall time, or the calling thread's CPU time (``--clock cpu``)
+CLOCK = [time.perf_counter]
 
 
 def _wrap(owner, name: str, key: str, marks: dict) -> None:
@@ -55,13 +68,14 @@ def _wrap(owner, name: str, key: str, marks: dict) -> None:
 
     @functools.wraps(f)        # keeps the signature: cpsgd inspects the reducer's start()
     def timed(*a, **k):
-        t0 = time.perf_counter()
+        clock = CLOCK[0]
+        t0 = clock()
         try:
             return f(*a, **k)
         finally:
             per_step = marks.setdefault(key, {})
             step = CURRENT_STEP[0]
-            per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t0
+            per_step[step] = per_step.get(step, 0.0) + clock() - t0
     setattr(owner, name, timed)
 
 
@@ -75,6 +89,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     from lowband.models import make_model
     from lowband.perf.plan import parse_algorithm
     marks: dict[str, list[float]] = {}
+    CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
     for module, cls, attr, key in TIMED:
         owner = importlib.import_module(module)
         _wrap(owner if cls is None else getattr(owner, cls), attr, key, marks)
@@ -90,14 +105,15 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         if i >= args.steps:
             break
         CURRENT_STEP[0] = i
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), _process_cpu()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(engine.module(x), y)
         t1, c1 = time.perf_counter(), time.thread_time()
         loss.backward()
         t2, c2 = time.perf_counter(), time.thread_time()
         engine.step()
-        rows.append((t1 - t0, t2 - t1, c2 - c1, time.perf_counter() - t2, time.perf_counter() - t0))
+        rows.append((t1 - t0, t2 - t1, c2 - c1, time.perf_counter() - t2, time.perf_counter() - t0,
+                     _process_cpu() - p0))
     engine.close()
     skip = args.skip
 
@@ -106,7 +122,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         return 1e3 * statistics.median(xs) if xs else 0.0
     out = {"step": med([r[4] for r in rows]), "forward": med([r[0] for r in rows]),
            "backward": med([r[1] for r in rows]), "backward_cpu": med([r[2] for r in rows]),
-           "engine.step": med([r[3] for r in rows])}
+           "engine.step": med([r[3] for r in rows]), "process_cpu": med([r[5] for r in rows])}
     for key, per_step in marks.items():   # a step without the call counts 0 (e.g. every k-th)
         out[key] = med([per_step.get(i, 0.0) for i in range(len(rows))])
     queue.put((rank, out))
@@ -121,9 +137,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--skip", type=int, default=20)
     ap.add_argument("--nonfinite", default="raise")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time the pieces in wall time or in the calling thread's CPU time (the "
+                         "step, forward and backward columns stay wall time) (default: %(default)s)")
     args = ap.parse_args()
     results = run_ranks(_worker, args.workers, args)
-    print(f"# {args.algorithm}, cnn, {args.workers} gloo ranks on loopback, median ms per step after {args.skip} steps")
+    print(f"# {args.algorithm}, cnn, {args.workers} gloo ranks on loopback, median ms per step after {args.skip} steps"
+          f" (pieces: {args.clock} time)")
     keys = sorted({k for r in results.values() for k in r}, key=lambda k: list(results[0]).index(k) if k in results[0] else 99)
     print("| rank | " + " | ".join(keys) + " |")
     print("|" + "---|" * (len(keys) + 1))

@@ -18,9 +18,11 @@ through one ordered queue issues the same collectives in the same order on every
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,14 +41,50 @@ class Bucket:
     position: dict = field(default_factory=dict)   # parameter index -> position in the bucket
     spare: Optional[torch.Tensor] = None   # double buffering: the previous iteration's buffer
     complete: bool = False           # launched with every parameter's gradient of this rank
+    shapes: list = field(default_factory=list, repr=False)   # (offset, shape) per parameter
+    #: per buffer (by its data pointer): its views, made once (:meth:`views`)
+    _views: dict = field(default_factory=dict, repr=False)
+
+    def views(self) -> "BufferViews":
+        """The current buffer's views (each made once per buffer: slicing a tensor costs
+        microseconds of the training thread per parameter and step)."""
+        found = self._views.get(self.buffer.data_ptr())
+        if found is None:
+            found = self._views[self.buffer.data_ptr()] = BufferViews.of(self.buffer, self.numel, self.shapes)
+        return found
 
     @property
     def grads(self) -> torch.Tensor:
-        return self.buffer[: self.numel]
+        return self.views().grads
 
     @property
     def flags(self) -> torch.Tensor:
-        return self.buffer[self.numel:]
+        return self.views().flags
+
+
+@dataclass
+class BufferViews:
+    """Views of one bucket buffer: all gradients, the flags, each parameter's gradient in its
+    shape, and on the CPU the flags as a numpy array (one store instead of a torch indexing
+    call when a gradient arrives; None for a dtype numpy lacks, bfloat16)."""
+
+    grads: torch.Tensor
+    flags: torch.Tensor
+    params: list
+    host_flags: Optional[np.ndarray]
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor, numel: int, shapes: list) -> "BufferViews":
+        flags = buffer[numel:]
+        host = flags.numpy() if flags.device.type == "cpu" and flags.dtype != torch.bfloat16 else None
+        return cls(buffer[:numel], flags, [buffer[o:o + math.prod(shape)].view(shape) for o, shape in shapes], host)
+
+    def mark(self, k: int, value: int) -> None:
+        """Set parameter ``k``'s flag."""
+        if self.host_flags is not None:
+            self.host_flags[k] = value
+        else:
+            self.flags[k] = value
 
 
 def plan_buckets(params: Sequence[nn.Parameter], indices: Sequence[int], bucket_bytes: int,
@@ -113,7 +151,8 @@ class BucketSet:
             buf = torch.zeros(n + len(group), dtype=dtype, device=device)
             spare = torch.zeros_like(buf) if double_buffered else None
             self.buckets.append(Bucket(b, list(group), offsets, n, buf, key=kind,
-                                       position={i: k for k, i in enumerate(group)}, spare=spare))
+                                       position={i: k for k, i in enumerate(group)}, spare=spare,
+                                       shapes=[(o, tuple(params[i].shape)) for o, i in zip(offsets, group)]))
         self._next = 0
         self.reset()
 
@@ -137,9 +176,9 @@ class BucketSet:
                 f"gradient of parameter #{index} became ready twice in one iteration; lowband "
                 "expects one backward() per engine.step() (accumulate gradients in the loss instead)")
         k = b.position[index]
-        p = self.params[index]
-        b.grads[b.offsets[k]: b.offsets[k] + p.numel()].copy_(p.grad.reshape(-1))
-        b.flags[k] = 1
+        views = b.views()
+        views.params[k].copy_(self.params[index].grad)
+        views.mark(k, 1)
         b.pending.discard(index)
         if overlap:
             self._launch_ready()
@@ -159,11 +198,11 @@ class BucketSet:
         iteration contribute zeros and a cleared flag."""
         for b in self.buckets[self._next:]:
             complete = not b.pending
+            views = b.views()
             for k, i in enumerate(b.param_indices):
                 if i in b.pending:
-                    n = self.params[i].numel()
-                    b.grads[b.offsets[k]: b.offsets[k] + n].zero_()
-                    b.flags[k] = 0
+                    views.params[k].zero_()
+                    views.mark(k, 0)
             b.pending.clear()
             self._launch(b, complete)
         self._next = len(self.buckets)

@@ -119,13 +119,15 @@ class BoundCompressedSGD(BoundAlgorithm):
         return self.checks_finite and not self.warmup.active(self.steps_done)
 
     def _launch(self, b: Bucket) -> Handle:
-        key, segments, present = f"bucket{b.index}", self.segments[b.index], b.flags > 0
+        key, segments = f"bucket{b.index}", self.segments[b.index]
         exact = self.exact_segments[b.index]
         if self.warmup.active(self.steps_done) or (exact is not None and all(exact)):
-            return self.reducer.start_full_precision(b.grads, key, segments, present=present)
-        # no copy: step() waits for every bucket before the next backward refills it
-        return self.reducer.start(b.grads, key, segments, present=present, exact_segments=exact, copy=False,
-                                  check_finite=self.checks_finite)
+            return self.reducer.start_full_precision(b.grads, key, segments, present=b.flags > 0)
+        # no copy: step() waits for every bucket before the next backward refills it. The
+        # compressed message carries its flag bytes whatever is passed: a complete bucket says
+        # "all present" without making the mask
+        return self.reducer.start(b.grads, key, segments, present=None if b.complete else b.flags > 0,
+                                  exact_segments=exact, copy=False, check_finite=self.checks_finite)
 
     def on_gradient_ready(self, index: int) -> None:
         self.buckets.mark_ready(index, overlap=self.cfg.overlap)

@@ -358,12 +358,12 @@ class BoundCPSGD(BoundAlgorithm):
         if self.in_warmup(t):
             return self.reducer.start_full_precision(b.buffer, key)   # gradients and flags
         flight = self._launching
-        present = b.flags > 0
         if self.is_burst(t):
             flush = self.cfg.flush_residual_on_correction
             flight.ranges.append((b.index, 0, b.numel))
             if self.native:
-                return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush, present=present)
+                return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush,
+                                                         present=b.flags > 0)
             flight.add_flags(b)
             return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush)
         exact = self.exact_range(b, t)
@@ -371,6 +371,9 @@ class BoundCPSGD(BoundAlgorithm):
             flight.add_exact(b, r, take=not self.inline_vectors)
         if exact is not None:
             flight.add_exact(b, exact, take=not self.native)
+        # the compressed message carries its flag bytes whatever is passed: a complete bucket
+        # says "all present" without making the mask
+        present = None if b.complete else b.flags > 0
         check = {"check_finite": True} if self.checks_finite else {}
         if self.uncopied:
             check["copy"] = False
