@@ -284,6 +284,25 @@ static inline uint32_t pack_masks(uint32_t p, uint32_t n) {
     return lo | hi << 1;
 }
 
+/* the 16 code bytes of pack_masks's codes, one per element: +1 (p) -> 3, -1 (n) -> 2, else 0 */
+LB_AVX512
+static inline __m128i code_bytes(__mmask16 p, __mmask16 n) {
+    __m512i c = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(n, _mm512_set1_epi32(2)), p, _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_epi8(c);
+}
+
+/* four packed words from their 4 x 16 code bytes (code_bytes), in vector registers: the words
+ * pack_masks makes. Each group of four code bytes c0..c3 (elements 4j..4j+3 of a word), read
+ * as a little-endian uint32, times 2^30 + 2^20 + 2^10 + 1 holds c0<<6 | c1<<4 | c2<<2 | c3 in
+ * its top byte (the other partial products stay below bit 24 or leave the word), which is
+ * byte j of the word in MXNet's order. Replaces four table lookups per word. */
+LB_AVX512
+static inline void store_packed4(uint32_t *words, __m128i a, __m128i b, __m128i c, __m128i d) {
+    __m512i z = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(a), b, 1), c, 2), d, 3);
+    z = _mm512_srli_epi32(_mm512_mullo_epi32(z, _mm512_set1_epi32(0x40100401)), 24);
+    _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(z));
+}
+
 /* lanes [0, n) of a 16-lane mask */
 static inline __mmask16 lanes_below(int64_t n) {
     return n <= 0 ? 0 : (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u));
@@ -422,15 +441,21 @@ static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *wor
          * so no element is both >= t and <= -t */
         __m512 tv = _mm512_set1_ps(t[b]), mtv = _mm512_set1_ps(-t[b]), pv = _mm512_set1_ps(v[b]),
                nv = _mm512_set1_ps(-1.0f * v[b]), zv = _mm512_set1_ps(0.0f * v[b]);
-        #pragma GCC unroll 16
-        for (int k = 0; k < 16; ++k) {
-            __m512 rk = R2(b, k);
-            __mmask16 p = _mm512_cmp_ps_mask(rk, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(rk, mtv, _CMP_LE_OQ);
-            if (ep) {
-                __m512 sv = _mm512_mask_mov_ps(_mm512_mask_mov_ps(zv, p, pv), n, nv);
-                _mm512_storeu_ps(ep + ROW * b + 16 * k, _mm512_sub_ps(rk, sv));
+        #pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+            __m128i cb[4];
+            #pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+                int k = 4 * q + j;
+                __m512 rk = R2(b, k);
+                __mmask16 p = _mm512_cmp_ps_mask(rk, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(rk, mtv, _CMP_LE_OQ);
+                if (ep) {
+                    __m512 sv = _mm512_mask_mov_ps(_mm512_mask_mov_ps(zv, p, pv), n, nv);
+                    _mm512_storeu_ps(ep + ROW * b + 16 * k, _mm512_sub_ps(rk, sv));
+                }
+                cb[j] = code_bytes(p, n);
             }
-            words[16 * b + k] = pack_masks(p, n);
+            store_packed4(words + 16 * b + 4 * q, cb[0], cb[1], cb[2], cb[3]);
         }
     }
 #undef R2
@@ -441,7 +466,26 @@ static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *wor
 LB_AVX512
 static void twobit_dense_avx512(const float *g, float *e, int64_t m, float t, uint32_t *words) {
     __m512 tv = _mm512_set1_ps(t), mtv = _mm512_set1_ps(-t), one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
-    for (int64_t k = 0; 16 * k < m; ++k) {
+    int64_t nw = (m + 15) / 16, k = 0;
+    for (; k + 4 <= nw; k += 4) {                 /* four words at a time: packed in registers */
+        __m128i cb[4];
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            const int64_t w = k + j;
+            __mmask16 valid = lanes_below(m - 16 * w);
+            __m512 r = _mm512_maskz_loadu_ps(valid, g + 16 * w);
+            if (e) r = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, e + 16 * w), r);
+            __mmask16 p = _mm512_cmp_ps_mask(r, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(r, mtv, _CMP_LE_OQ);
+            if (e) {
+                __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
+                                              n & (__mmask16)~p, mone);
+                _mm512_mask_storeu_ps(e + 16 * w, valid, _mm512_add_ps(r, _mm512_mul_ps(mtv, s)));
+            }
+            cb[j] = code_bytes(p & valid, n & valid);
+        }
+        store_packed4(words + k, cb[0], cb[1], cb[2], cb[3]);
+    }
+    for (; k < nw; ++k) {
         __mmask16 valid = lanes_below(m - 16 * k);
         __m512 r = _mm512_maskz_loadu_ps(valid, g + 16 * k);
         if (e) r = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, e + 16 * k), r);
