@@ -461,41 +461,43 @@ static void rel_block2_avx512(const float *gp, float *ep, float a, uint32_t *wor
 #undef R2
 }
 
+/* one vector (elements 16w..16w+15) of twobit_dense_avx512: r = e + g, e = r + (-t)*s, and the
+ * masks of the +1 (p) and -1 (n) codes of its real elements */
+LB_AVX512 __attribute__((always_inline))
+static inline void dense_vector(const float *g, float *e, int64_t m, int64_t w, float t,
+                                __mmask16 *p, __mmask16 *n) {
+    __m512 tv = _mm512_set1_ps(t), mtv = _mm512_set1_ps(-t);
+    __mmask16 valid = lanes_below(m - 16 * w);
+    __m512 r = _mm512_maskz_loadu_ps(valid, g + 16 * w);
+    if (e) r = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, e + 16 * w), r);
+    __mmask16 pm = _mm512_cmp_ps_mask(r, tv, _CMP_GE_OQ), nm = _mm512_cmp_ps_mask(r, mtv, _CMP_LE_OQ);
+    if (e) {
+        __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), pm & (__mmask16)~nm, _mm512_set1_ps(1.0f)),
+                                      nm & (__mmask16)~pm, _mm512_set1_ps(-1.0f));
+        _mm512_mask_storeu_ps(e + 16 * w, valid, _mm512_add_ps(r, _mm512_mul_ps(mtv, s)));
+    }
+    *p = pm & valid;
+    *n = nm & valid;
+}
+
 /* MXNet 2-bit of m <= GROUP real elements (none skipped) straight into ceil(m/16) packed words,
  * the operations of twobit_dense per element: codes from r >= t and r <= -t, e = r + (-t)*s */
 LB_AVX512
 static void twobit_dense_avx512(const float *g, float *e, int64_t m, float t, uint32_t *words) {
-    __m512 tv = _mm512_set1_ps(t), mtv = _mm512_set1_ps(-t), one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
     int64_t nw = (m + 15) / 16, k = 0;
+    __mmask16 p, n;
     for (; k + 4 <= nw; k += 4) {                 /* four words at a time: packed in registers */
         __m128i cb[4];
         #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-            const int64_t w = k + j;
-            __mmask16 valid = lanes_below(m - 16 * w);
-            __m512 r = _mm512_maskz_loadu_ps(valid, g + 16 * w);
-            if (e) r = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, e + 16 * w), r);
-            __mmask16 p = _mm512_cmp_ps_mask(r, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(r, mtv, _CMP_LE_OQ);
-            if (e) {
-                __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
-                                              n & (__mmask16)~p, mone);
-                _mm512_mask_storeu_ps(e + 16 * w, valid, _mm512_add_ps(r, _mm512_mul_ps(mtv, s)));
-            }
-            cb[j] = code_bytes(p & valid, n & valid);
+            dense_vector(g, e, m, k + j, t, &p, &n);
+            cb[j] = code_bytes(p, n);
         }
         store_packed4(words + k, cb[0], cb[1], cb[2], cb[3]);
     }
     for (; k < nw; ++k) {
-        __mmask16 valid = lanes_below(m - 16 * k);
-        __m512 r = _mm512_maskz_loadu_ps(valid, g + 16 * k);
-        if (e) r = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, e + 16 * k), r);
-        __mmask16 p = _mm512_cmp_ps_mask(r, tv, _CMP_GE_OQ), n = _mm512_cmp_ps_mask(r, mtv, _CMP_LE_OQ);
-        if (e) {
-            __m512 s = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), p & (__mmask16)~n, one),
-                                          n & (__mmask16)~p, mone);
-            _mm512_mask_storeu_ps(e + 16 * k, valid, _mm512_add_ps(r, _mm512_mul_ps(mtv, s)));
-        }
-        words[k] = pack_masks(p & valid, n & valid);
+        dense_vector(g, e, m, k, t, &p, &n);
+        words[k] = pack_masks(p, n);
     }
 }
 
