@@ -691,10 +691,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no completed runs under {args.out}", file=sys.stderr)
         return 2
-    # a run started with an absolute --out recorded it in its command: cite it as given here
+    # a run recorded its --out in its command: cite it under DIR, the directory this report was
+    # given (as the "Regenerate" line does), not the machine's path where the runs were kept
     here = os.path.abspath(args.out)
     for r in rows:
-        r["command"] = r["command"].replace(here, os.path.normpath(args.out))
+        r["command"] = r["command"].replace(here, "DIR").replace(os.path.normpath(args.out), "DIR")
     body = render(rows, args.profile, profile)
     if args.latency_from == "probe" and args.latency is None:
         body = ("Latency: the idle 64-byte probe's runs over the ring's messages "
