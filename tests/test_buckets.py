@@ -28,7 +28,8 @@ def test_double_buffered_buckets_hold_each_steps_gradients_in_place(dtype):
     launched = []
     # the raw buffer, not the bucket's cached views: what a job handed the buffer reads
     buckets = BucketSet(params, range(len(params)), 200, lambda b: launched.append(
-        (b.index, b.buffer[:b.numel].clone(), b.buffer[b.numel:].clone(), b.buffer.data_ptr(), b.complete)),
+        (b.index, b.buffer[:b.numel].clone(), b.buffer[b.numel:].clone(), b.buffer.data_ptr(), b.complete,
+         b.present())),
         double_buffered=True)
     assert len(buckets.buckets) > 1
     kept = {}
@@ -51,12 +52,15 @@ def test_double_buffered_buckets_hold_each_steps_gradients_in_place(dtype):
         buckets.reset()
     # each step's launches saw exactly that step's values, in bucket order, alternating buffers
     assert [x[0] for x in launched] == list(range(len(buckets.buckets))) * 3
-    for n, (index, grads, flags, ptr, complete) in enumerate(launched):
+    for n, (index, grads, flags, ptr, complete, present) in enumerate(launched):
         step = n // len(buckets.buckets)
         assert ptr == kept[(step, index)][0] and torch.equal(grads, kept[(step, index)][1])
         assert flags.sum() == len(buckets.buckets[index].param_indices) - (not complete)
+        # a reducer's present=: None ("every one") for a complete bucket, else the flags
+        assert (present is None) == complete and (complete or torch.equal(present, flags > 0))
         if step:
             assert ptr != kept[(step - 1, index)][0]
+    assert not all(x[4] for x in launched)      # the missing parameter's bucket was incomplete
     # reset leaves the last step's buffer (the spare now, which a pipeline may still be
     # reading) as it was, and the next step fills the other one
     for b in buckets.buckets:

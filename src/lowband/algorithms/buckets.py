@@ -41,7 +41,7 @@ class Bucket:
     position: dict = field(default_factory=dict)   # parameter index -> position in the bucket
     spare: Optional[torch.Tensor] = None   # double buffering: the previous iteration's buffer
     complete: bool = False           # launched with every parameter's gradient of this rank
-    shapes: list = field(default_factory=list, repr=False)   # (offset, shape) per parameter
+    shapes: list = field(default_factory=list, repr=False)   # each parameter's shape, in bucket order
     #: per buffer (by its data pointer): its views, made once (:meth:`views`)
     _views: dict = field(default_factory=dict, repr=False)
 
@@ -50,8 +50,15 @@ class Bucket:
         microseconds of the training thread per parameter and step)."""
         found = self._views.get(self.buffer.data_ptr())
         if found is None:
-            found = self._views[self.buffer.data_ptr()] = BufferViews.of(self.buffer, self.numel, self.shapes)
+            found = self._views[self.buffer.data_ptr()] = BufferViews.of(self.buffer, self.numel, self.offsets,
+                                                                         self.shapes)
         return found
+
+    def present(self) -> Optional[torch.Tensor]:
+        """Per parameter, whether this rank produced its gradient (bool), for a reducer's
+        ``present=``; None for a bucket launched complete, which a reducer reads as "every one"
+        (no mask made on the training thread)."""
+        return None if self.complete else self.flags > 0
 
     @property
     def grads(self) -> torch.Tensor:
@@ -74,10 +81,11 @@ class BufferViews:
     host_flags: Optional[np.ndarray]
 
     @classmethod
-    def of(cls, buffer: torch.Tensor, numel: int, shapes: list) -> "BufferViews":
+    def of(cls, buffer: torch.Tensor, numel: int, offsets: list, shapes: list) -> "BufferViews":
         flags = buffer[numel:]
         host = flags.numpy() if flags.device.type == "cpu" and flags.dtype != torch.bfloat16 else None
-        return cls(buffer[:numel], flags, [buffer[o:o + math.prod(shape)].view(shape) for o, shape in shapes], host)
+        return cls(buffer[:numel], flags,
+                   [buffer[o:o + math.prod(shape)].view(shape) for o, shape in zip(offsets, shapes)], host)
 
     def mark(self, k: int, value: int) -> None:
         """Set parameter ``k``'s flag."""
@@ -152,7 +160,7 @@ class BucketSet:
             spare = torch.zeros_like(buf) if double_buffered else None
             self.buckets.append(Bucket(b, list(group), offsets, n, buf, key=kind,
                                        position={i: k for k, i in enumerate(group)}, spare=spare,
-                                       shapes=[(o, tuple(params[i].shape)) for o, i in zip(offsets, group)]))
+                                       shapes=[tuple(params[i].shape) for i in group]))
         self._next = 0
         self.reset()
 

@@ -123,11 +123,9 @@ class BoundCompressedSGD(BoundAlgorithm):
         exact = self.exact_segments[b.index]
         if self.warmup.active(self.steps_done) or (exact is not None and all(exact)):
             return self.reducer.start_full_precision(b.grads, key, segments, present=b.flags > 0)
-        # no copy: step() waits for every bucket before the next backward refills it.
-        # present=None is "every segment present" (the message carries its flag bytes either
-        # way): a bucket launched complete needs no mask
-        return self.reducer.start(b.grads, key, segments, present=None if b.complete else b.flags > 0,
-                                  exact_segments=exact, copy=False, check_finite=self.checks_finite)
+        # no copy: step() waits for every bucket before the next backward refills it
+        return self.reducer.start(b.grads, key, segments, present=b.present(), exact_segments=exact, copy=False,
+                                  check_finite=self.checks_finite)
 
     def on_gradient_ready(self, index: int) -> None:
         self.buckets.mark_ready(index, overlap=self.cfg.overlap)

@@ -371,9 +371,7 @@ class BoundCPSGD(BoundAlgorithm):
             flight.add_exact(b, r, take=not self.inline_vectors)
         if exact is not None:
             flight.add_exact(b, exact, take=not self.native)
-        # present=None is "every segment present" (the message carries its flag bytes either
-        # way): a bucket launched complete needs no mask
-        present = None if b.complete else b.flags > 0
+        present = b.present()
         check = {"check_finite": True} if self.checks_finite else {}
         if self.uncopied:
             check["copy"] = False

@@ -863,10 +863,18 @@ def pattern_steps(algorithm: str, options: Optional[dict[str, Any]] = None) -> i
     step once (a burst correction, a local-SGD average, a lazy sync); 1 where every step is
     alike (``ssgd``, CP-SGD's spread correction). What :func:`estimate` simulates in whole
     periods and what the validation measures in blocks of."""
+    return _period(algorithm, _knobs(algorithm, options))
+
+
+def _knobs(algorithm: str, options: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Every knob of a modelled ``algorithm``: ``options`` over the registry's defaults."""
     if algorithm not in MODELS:
         raise ValueError(f"no performance model for algorithm {algorithm!r}; modelled: {', '.join(sorted(MODELS))}")
-    o = {**algorithm_defaults(algorithm), **(options or {})}
-    return max(1, int(math.ceil(MODELS[algorithm].cycle(o))))
+    return {**algorithm_defaults(algorithm), **(options or {})}
+
+
+def _period(algorithm: str, knobs: dict[str, Any]) -> int:
+    return max(1, int(math.ceil(MODELS[algorithm].cycle(knobs))))
 
 
 def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster,
@@ -875,8 +883,8 @@ def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], c
     ``lead_in`` steps (default: :data:`LEAD_IN_STEPS`, at least one whole cycle), then
     ``cycles`` whole cycles (at least 4 steps), and average the steps after the lead-in. Knobs
     not in ``options`` take the registry algorithm's defaults."""
-    cycle = pattern_steps(algorithm, options)
-    o = {**algorithm_defaults(algorithm), **(options or {})}
+    o = _knobs(algorithm, options)
+    cycle = _period(algorithm, o)
     m = MODELS[algorithm]
     lead = max(LEAD_IN_STEPS, cycle) if lead_in is None else max(1, int(lead_in))
     measured = max(cycle * cycles, 4)
