@@ -2,7 +2,9 @@
 call (group, operation, size, dtype, issuing thread), forms the same sequence on both ranks on
 each group, even when the ranks' backward passes produce different parameters' gradients; and
 every collective of a compressing algorithm (warm-up all-reduces, compressed buckets, fp32
-side channels) is issued by its pipeline's one thread on the pipeline's own group, while
+side channels) is issued on the pipeline's own group by its one thread (or, for
+``compressed``'s last bucket when nothing else is in flight, by the training thread in the
+queue's order: tests/test_pipeline.py), while
 ``ssgd`` and ``lazy`` issue theirs from the training thread. The engine's non-finite guard
 has a group of its own (its exchange may come before or after a bucket launched in ``step()``,
 which is why: docs/reliability.md), so it is compared as a sequence of its own. On CUDA the same queue runs its jobs on one side
@@ -87,7 +89,11 @@ def test_every_collective_of_a_rank_goes_through_one_ordered_queue():
         algorithm = [e for e in log if e[0] != mine["guard"]]
         issuers = {(group, thread) for group, *_, thread in algorithm}
         if name in PIPELINED:
-            assert issuers == {mine["pipeline"]}, (name, issuers)
+            group, thread = mine["pipeline"]
+            # compressed's last bucket may run on the training thread when the queue is idle
+            # (inline_last_bucket), still on the pipeline's group and in its order
+            allowed = {(group, thread), (group, "MainThread")} if name == "compressed" else {(group, thread)}
+            assert (group, thread) in issuers and issuers <= allowed, (name, issuers)
             ops = {op for _, op, *_ in algorithm}
             assert {"all_reduce", "all_gather"} <= ops, (name, ops)    # warm-up and compressed steps
         else:

@@ -4,7 +4,9 @@
 caller's group (``dist.get_process_group_ranks``, so lowband also runs on a sub-group). Every
 job submitted to it runs in submission order; since every rank submits the same jobs in the
 same order (buckets launch in a fixed order), every rank issues the same sequence of
-collectives on the private group. An algorithm sends *all* its collectives through one
+collectives on the private group (a job the caller will wait for at once may run on the
+thread that waits for it when the queue is idle, :meth:`Pipeline.submit`'s ``inline``: still in
+the same order, on the same group). An algorithm sends *all* its collectives through one
 pipeline (fp32 warm-up all-reduces, fp32 buckets of 1-D parameters, compressed buckets,
 corrections): two independent queues could be interleaved differently on different ranks.
 
@@ -63,8 +65,9 @@ class Handle:
     array of the segments each rank found non-finite, or None when none did."""
 
     def __init__(self, future: Future, comm: Communicator, side: SideStream, device: Optional[torch.device],
-                 span: Optional[list[float]] = None):
+                 span: Optional[list[float]] = None, pipeline: Optional["Pipeline"] = None):
         self._future = future
+        self._pipeline = pipeline        # set for a deferred job: waiting runs (or queues) it
         self._comm = comm
         self._side = side
         self._device = device
@@ -81,6 +84,8 @@ class Handle:
         return self._span[0], self._span[1]
 
     def _unpack(self) -> torch.Tensor:
+        if self._pipeline is not None:
+            self._pipeline.claim(self._future)
         result, self.present, *rest = self._side.consume(*self._future.result())
         self.nonfinite = rest[0] if rest else None
         return result
@@ -126,9 +131,21 @@ class Pipeline:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._error: Optional[BaseException] = None
         self._closed = False
-        #: CPU seconds of this pipeline's thread inside its jobs so far (codec, collectives'
-        #: calls, glue; the jobs' waits for the network cost none): what ``lowband profile``
-        #: measures per step for the performance model (``Profile.pipeline_cpu_s``)
+        #: jobs queued for the thread (counted by the submitting thread) and jobs the thread
+        #: has finished (counted by the thread): each written by one thread only, so equal
+        #: means idle, with no lock (:meth:`submit`'s ``inline``)
+        self._queued = 0
+        self._finished = 0
+        #: inline jobs not run yet, in submission order (queue items), and the thread that
+        #: submitted them (the only one that runs them)
+        self._deferred: list[tuple] = []
+        self._owner: Optional[int] = None
+        #: jobs run on the calling thread (:meth:`submit`'s ``inline``)
+        self.inline_jobs = 0
+        #: CPU seconds inside jobs so far (codec, collectives' calls, glue; the jobs' waits for
+        #: the network cost none), on this pipeline's thread or, for a job run ``inline``, the
+        #: caller's: what ``lowband profile`` measures per step for the performance model
+        #: (``Profile.pipeline_cpu_s``)
         self.cpu_s = 0.0
         self._thread = threading.Thread(target=self._loop, name=f"{name}-pipeline", daemon=True)
         self._thread.start()
@@ -142,39 +159,85 @@ class Pipeline:
                 return
             future, fn, args, device, ready, span = item
             if not future.set_running_or_notify_cancel():
+                self._finished += 1
                 continue
-            if self._error is not None:
-                future.set_exception(RuntimeError(f"an earlier collective of this rank failed: {self._error!r}"))
-                continue
-            cpu = time.thread_time()
-            try:   # the result is (fn's value, the CUDA event at its end or None)
-                span[0] = time.perf_counter()
-                result = self.side.run(lambda: fn(*args), device, ready)
-                span[1] = time.perf_counter()
-                self.cpu_s += time.thread_time() - cpu
-                future.set_result(result)
-            except BaseException as exc:   # delivered to whoever waits on the job
-                self._error = exc
-                future.set_exception(exc)
+            outcome = self._execute(fn, args, device, ready, span)
+            self._finished += 1          # before the waiter wakes: the queue is idle again
+            _resolve(future, outcome)
 
-    def _submit(self, fn: Callable[..., Any], args: tuple,
-                inputs: Any) -> tuple[Future, Optional[torch.device], list[float]]:
-        """Queue the job; ``inputs`` are the tensors it reads that the caller produced (on
-        CUDA: the job runs after them, on the device of the first). The list returned gets
-        the job's start and end time on the pipeline's thread."""
+    def _execute(self, fn: Callable[..., Any], args: tuple, device: Optional[torch.device], ready: Any,
+                 span: list[float]) -> tuple[bool, Any]:
+        """Run one job (on the thread, or on the caller's for an inline job): ``(True, (fn's
+        value, the CUDA event at its end or None))`` or ``(False, the exception)``."""
+        if self._error is not None:
+            return False, RuntimeError(f"an earlier collective of this rank failed: {self._error!r}")
+        cpu = time.thread_time()
+        try:
+            span[0] = time.perf_counter()
+            result = self.side.run(lambda: fn(*args), device, ready)
+            span[1] = time.perf_counter()
+            self.cpu_s += time.thread_time() - cpu
+            return True, result
+        except BaseException as exc:   # delivered to whoever waits on the job
+            self._error = exc
+            return False, exc
+
+    def _submit(self, fn: Callable[..., Any], args: tuple, inputs: Any,
+                inline: bool = False) -> tuple[Future, Optional[torch.device], list[float]]:
+        """Queue the job (or defer it, ``inline``); ``inputs`` are the tensors it reads that the
+        caller produced (on CUDA: the job runs after them, on the device of the first). The
+        list returned gets the job's start and end time on the thread that runs it."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
         device = cuda_device_of(inputs)
         future: Future = Future()
         span = [0.0, 0.0]
-        self._queue.put((future, fn, args, device, self.side.ready(device, inputs), span))
+        item = (future, fn, args, device, self.side.ready(device, inputs), span)
+        if inline and device is None:
+            self._deferred.append(item)
+            self._owner = threading.get_ident()
+        else:
+            self._dispatch()
+            self._queued += 1
+            self._queue.put(item)
         return future, device, span
 
-    def submit(self, fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]], *args: Any) -> Handle:
+    def _dispatch(self) -> None:
+        """Queue every deferred job (in order, before anything submitted after them)."""
+        for item in self._deferred:
+            self._queued += 1
+            self._queue.put(item)
+        self._deferred.clear()
+
+    def claim(self, future: Future) -> None:
+        """Before waiting for ``future``: if it is a deferred job, run it (and the deferred
+        jobs before it) on this thread when the queue is idle and this thread submitted
+        them; otherwise queue the deferred jobs for the thread."""
+        while any(item[0] is future for item in self._deferred):
+            if self._finished != self._queued or threading.get_ident() != self._owner:
+                self._dispatch()
+                return
+            item = self._deferred.pop(0)
+            item[0].set_running_or_notify_cancel()
+            self.inline_jobs += 1
+            _resolve(item[0], self._execute(*item[1:]))
+
+    def submit(self, fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]], *args: Any,
+               inline: bool = False) -> Handle:
         """Queue ``fn(*args)`` (returning ``(tensor, present)``) behind every earlier job; the
-        tensors among ``args`` are its inputs."""
-        future, device, span = self._submit(fn, args, [a for a in args if isinstance(a, torch.Tensor)])
-        return Handle(future, self.caller, self.side, device, span)
+        tensors among ``args`` are its inputs.
+
+        ``inline`` (on the CPU; CUDA jobs always queue): for a job the caller will wait for
+        before submitting anything else, to which the thread would add only two hand-offs.
+        The job is held until its handle is waited for, and then runs on the waiting thread
+        if every earlier job has finished (else it is queued then). So it runs at the point
+        where the caller would have blocked on it anyway, never earlier: a rank's training
+        thread blocks on collectives of the pipeline's group and of other groups (the
+        engine's guard) in the same program order as with the thread, and no rank can wait
+        in one group for a peer that waits in the other. A later submit, ``call`` or
+        ``close`` queues held jobs first, so the order of collectives never changes."""
+        future, device, span = self._submit(fn, args, [a for a in args if isinstance(a, torch.Tensor)], inline)
+        return Handle(future, self.caller, self.side, device, span, self if inline else None)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the queue (after every earlier job) and return its result
@@ -197,9 +260,18 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
+        self._dispatch()
         self._queue.put(None)
         if self._error is None:
             self._thread.join()
+
+
+def _resolve(future: Future, outcome: tuple[bool, Any]) -> None:
+    ok, value = outcome
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
 
 
 @dataclass
@@ -318,7 +390,7 @@ class CompressedReducer:
     def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
               exact: Optional[tuple[int, int]] = None, flush_exact: bool = False,
               present: Optional[torch.Tensor] = None, exact_segments: Optional[Sequence[bool]] = None,
-              copy: bool = True, check_finite: bool = False) -> Handle:
+              copy: bool = True, check_finite: bool = False, inline: bool = False) -> Handle:
         """Average flat fp32 ``tensor`` through the codec with error feedback, on the queue.
         ``exact=(lo, hi)``: those elements are averaged exactly in fp32 instead (codes 0,
         residual untouched unless ``flush_exact``: then it is added and zeroed).
@@ -331,7 +403,9 @@ class CompressedReducer:
         False: then the caller leaves it untouched until the handle is waited for.
         ``check_finite``: test each segment for NaN/Inf on the queue and mark the bad ones in
         the message (no extra bytes); the handle's ``nonfinite`` then says, per rank, which
-        segments were bad (the engine's finiteness decision rides on the bucket)."""
+        segments were bad (the engine's finiteness decision rides on the bucket).
+        ``inline``: the caller waits for this bucket before starting anything else; run it on
+        the waiting thread if nothing else is in flight then (:meth:`Pipeline.submit`)."""
         segs = _check_segments(tensor, name, segments)
         lo, hi = (0, 0) if exact is None else (int(exact[0]), int(exact[1]))
         if not (0 <= lo <= hi <= tensor.numel()):
@@ -346,7 +420,7 @@ class CompressedReducer:
         flat = tensor.detach().reshape(-1)
         snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
         return self.pipeline.submit(self._run, name, segs, snapshot, _present_for_job(present, len(segs)), lo, hi,
-                                    flush_exact, fixed, check_finite)
+                                    flush_exact, fixed, check_finite, inline=inline)
 
     def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False):
         flags = _host_flags(present)
@@ -368,10 +442,12 @@ class CompressedReducer:
         return out, torch.from_numpy(present), nonfinite
 
     def start_full_precision(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
-                             flush_residuals: bool = False, present: Optional[torch.Tensor] = None) -> Handle:
+                             flush_residuals: bool = False, present: Optional[torch.Tensor] = None,
+                             inline: bool = False) -> Handle:
         """fp32 average of the whole tensor on the same queue. With ``flush_residuals`` every
         segment's worker residual (and this rank's server residual, times N because the
-        all-reduce averages) is added to the contribution and zeroed."""
+        all-reduce averages) is added to the contribution and zeroed. ``inline`` as for
+        :meth:`start`."""
         segs = _check_segments(tensor, name, segments)
         flags = _present(present, len(segs))
         n = tensor.numel()
@@ -382,7 +458,8 @@ class CompressedReducer:
             buf = torch.empty(n + len(segs), dtype=torch.float32, device=flat.device)
             buf[:n] = flat
             buf[n:] = flags.to(torch.float32)
-        return self.pipeline.submit(self._run_full, name, segs, buf, n, flags is not None, flush_residuals)
+        return self.pipeline.submit(self._run_full, name, segs, buf, n, flags is not None, flush_residuals,
+                                    inline=inline)
 
     def _run_full(self, name, segs, buf, n, with_flags, flush):
         if flush:
