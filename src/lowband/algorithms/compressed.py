@@ -64,13 +64,13 @@ class CompressedSGD(Algorithm):
             reached S-SGD's accuracy within 1 pp only with it (docs/compression.md); set 0 for a
             compressed-from-step-one baseline. The hooks' ``start_compress_iter`` is the same knob.
         inline_last_bucket: on the CPU, run the last bucket's job (encode, collective, decode)
-            on the training thread when no earlier bucket is still in flight, instead of
-            handing it to the pipeline's thread: the step waits for it at once, so the thread
-            adds only two hand-offs, and the training thread codes the bucket it has just
-            written from its own caches. Same collectives in the same order, same values.
+            on the training thread when ``step()`` waits for it and no earlier bucket is still
+            in flight, instead of on the pipeline's thread: nothing runs beside that job (backward
+            has ended), so the thread would add only two hand-offs. Same collectives in the
+            same order, same values (``Pipeline.submit``'s ``inline``; docs/compression.md).
             Measured on cnn, 2 workers over loopback (docs/results.md, "Thirtieth session"):
-            0.2-0.5 ms less per step in 5 of 5 paired rounds, the encode's CPU 0.24 -> 0.14 ms.
-            False: every job on the thread (CUDA always).
+            the median step 0.2-0.5 ms lower in 5 of 5 paired rounds. False: every job on the
+            thread (CUDA always).
 
     Each parameter is compressed on its own (layer-wise scales and thresholds) and its
     residual is keyed by its name; all parameters of a bucket travel in one collective, and
