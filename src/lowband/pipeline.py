@@ -136,10 +136,9 @@ class Pipeline:
         #: means idle, with no lock (:meth:`submit`'s ``inline``)
         self._queued = 0
         self._finished = 0
-        #: inline jobs not run yet, in submission order (queue items), and the thread that
-        #: submitted them (the only one that runs them)
-        self._deferred: list[tuple] = []
-        self._owner: Optional[int] = None
+        #: inline jobs not run yet, in submission order: (queue item, the submitting thread,
+        #: the only one that may run it)
+        self._deferred: list[tuple[tuple, int]] = []
         #: jobs run on the calling thread (:meth:`submit`'s ``inline``)
         self.inline_jobs = 0
         #: CPU seconds inside jobs so far (codec, collectives' calls, glue; the jobs' waits for
@@ -194,8 +193,7 @@ class Pipeline:
         span = [0.0, 0.0]
         item = (future, fn, args, device, self.side.ready(device, inputs), span)
         if inline and device is None:
-            self._deferred.append(item)
-            self._owner = threading.get_ident()
+            self._deferred.append((item, threading.get_ident()))
         else:
             self._dispatch()
             self._queued += 1
@@ -204,7 +202,7 @@ class Pipeline:
 
     def _dispatch(self) -> None:
         """Queue every deferred job (in order, before anything submitted after them)."""
-        for item in self._deferred:
+        for item, _ in self._deferred:
             self._queued += 1
             self._queue.put(item)
         self._deferred.clear()
@@ -213,14 +211,14 @@ class Pipeline:
         """Before waiting for ``future``: if it is a deferred job, run it (and the deferred
         jobs before it) on this thread when the queue is idle and this thread submitted
         them; otherwise queue the deferred jobs for the thread."""
-        while any(item[0] is future for item in self._deferred):
-            if self._finished != self._queued or threading.get_ident() != self._owner:
+        while any(item[0] is future for item, _ in self._deferred):
+            if self._finished != self._queued or threading.get_ident() != self._deferred[0][1]:
                 self._dispatch()
                 return
-            item = self._deferred.pop(0)
-            item[0].set_running_or_notify_cancel()
+            (held, fn, args, device, ready, span), _ = self._deferred.pop(0)
+            held.set_running_or_notify_cancel()
             self.inline_jobs += 1
-            _resolve(item[0], self._execute(*item[1:]))
+            _resolve(held, self._execute(fn, args, device, ready, span))
 
     def submit(self, fn: Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]], *args: Any,
                inline: bool = False) -> Handle:
