@@ -85,3 +85,43 @@ def test_bench_says_when_a_run_never_left_its_warm_up(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert "note: cpsgd x2 over none: all 20 steps were in the algorithm's warm-up" in err
     assert "note: noop" not in err
+
+
+def _round(algorithm, repeat, median_ms, mean_ms=None, bandwidth="none"):
+    return {"bandwidth": bandwidth, "workers": 2, "algorithm": algorithm, "repeat": repeat,
+            "median_step_ms": median_ms, "step_ms": mean_ms if mean_ms is not None else median_ms}
+
+
+def test_round_ratios_pair_each_run_with_the_noop_of_its_own_round():
+    """The machine drifts between rounds (noop 10, 20, 10 ms): each round's ratio is to its own
+    noop (1.1, 1.1, 1.2 -> median 1.1), where a ratio of the medians over rounds reads 1.2; a
+    round without noop is left out of the ratios, not paired with another round's."""
+    from lowband.report import round_ratios, rounds_table
+    runs = [_round("noop", 1, 10.0), _round("x", 1, 11.0, 13.0), _round("noop", 2, 20.0), _round("x", 2, 22.0, 26.0),
+            _round("noop", 3, 10.0), _round("x", 3, 12.0, 12.5), _round("x", 4, 50.0),
+            _round("noop", 1, 40.0, bandwidth="200mbit")]
+    got = {(r["bandwidth"], r["algorithm"]): r for r in round_ratios(runs)}
+    x = got["none", "x"]
+    assert x["step_ms_rounds"] == [11.0, 22.0, 12.0, 50.0]
+    assert [round(v, 9) for v in x["over_noop_rounds"]] == [1.1, 1.1, 1.2]
+    assert abs(x["over_noop_median"] - 1.1) < 1e-12
+    assert [round(v, 9) for v in x["mean_over_noop_rounds"]] == [1.3, 1.3, 1.25]
+    assert abs(x["mean_over_noop_median"] - 1.3) < 1e-12
+    assert "over_noop_median" not in got["none", "noop"] and "over_noop_median" not in got["200mbit", "noop"]
+    table = rounds_table(runs)
+    assert "| none | 2 | x | 11.0, 22.0, 12.0, 50.0 | 1.10, 1.10, 1.20 | 1.10 | 1.30 |" in table
+    assert rounds_table([_round("noop", 1, 10.0), _round("x", 1, 11.0)]) == ""    # one round: no table
+
+
+def test_report_prints_the_rounds_of_a_repeat_bench(tmp_path, capsys):
+    import json
+    from lowband.report import main_report
+    runs = [dict(_round(a, rep, ms), median_compute_ms=ms, median_comm_wait_ms=0.0, median_bytes_sent=0.0,
+                 steps=10, test_accuracy=0.5)
+            for rep in (1, 2) for a, ms in (("noop", 10.0), ("x", 12.0))]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"rows": runs[:2], "all_runs": runs, "command": "lowband bench ..."}))
+    assert main_report(str(path), None, None) == 0
+    out = capsys.readouterr().out
+    assert "Per round (each run over the noop of its own round)" in out
+    assert "| none | 2 | x | 12.0, 12.0 | 1.20, 1.20 | 1.20 |" in out

@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--section", default="bench", help="name of that section (default: %(default)s)")
     b.add_argument("--repeat", type=int, default=1,
                    help="run the whole list this many times, round-robin, and report for each configuration "
-                        "the run with the median step time (this machine's step times drift by 10-20%% "
+                        "the run with the median step time, and per round its ratio to the same round's noop "
+                        "with the median of those ratios (this machine's step times drift by 10-20%% "
                         "between runs minutes apart; interleaved repeats cancel the drift; default: %(default)s)")
     add_run_arguments(b)
     b.set_defaults(max_steps=100)
@@ -466,7 +467,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"{args.repeat} runs " + ", ".join(f"{x:.1f}" for x in row["median_step_ms_repeats"])
                   + f" (reported: run {row['repeat']})", file=sys.stderr)
     if rows:
-        print_tables(derive(rows))
+        print_tables(derive(rows), results.get("all_runs") or ())
         images = plot(derive(rows), args.out)
         print(f"results: {os.path.join(args.out, RESULTS_FILE)}; plots: {', '.join(images)}", file=sys.stderr)
     if failed:    # the tables hold the runs that finished; a partial section is not written into --doc

@@ -90,6 +90,60 @@ def derive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def round_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration (bandwidth, workers, algorithm) of a ``--repeat`` bench, in its first
+    run's order: its median step per round and, where the same link and worker count ran
+    ``noop`` in that round, the ratio of the two (median step, and mean step: warm-ups and
+    periodic corrections included), with the median of those per-round ratios. Rounds run one
+    after another, minutes apart, so pairing each run with the ``noop`` of its own round
+    cancels the machine's drift between rounds, which a ratio of the medians over all rounds
+    does not."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["bandwidth"], r["workers"], r["algorithm"]), []).append(r)
+    out = []
+    for (bw, workers, algorithm), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.get("repeat", 0))
+        noop = {r.get("repeat", 0): r for r in groups.get((bw, workers, "noop"), [])}
+        row = {"bandwidth": bw, "workers": workers, "algorithm": algorithm,
+               "step_ms_rounds": [r["median_step_ms"] for r in rs]}
+        if algorithm != "noop":
+            paired = [(r, noop[r.get("repeat", 0)]) for r in rs if r.get("repeat", 0) in noop]
+            row["over_noop_rounds"] = [r["median_step_ms"] / n["median_step_ms"] for r, n in paired]
+            row["mean_over_noop_rounds"] = [r["step_ms"] / n["step_ms"] for r, n in paired
+                                            if r.get("step_ms") and n.get("step_ms")]
+            for key, med in (("over_noop_rounds", "over_noop_median"), ("mean_over_noop_rounds", "mean_over_noop_median")):
+                if row[key]:
+                    row[med] = _median(row[key])
+        out.append(row)
+    return out
+
+
+def _median(xs: Sequence[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
+def rounds_table(runs: Sequence[dict[str, Any]]) -> str:
+    """:func:`round_ratios` as a markdown table ('' for a bench of one round)."""
+    rows = round_ratios(runs)
+    if not any(len(r["step_ms_rounds"]) > 1 for r in rows):
+        return ""
+
+    def joined(xs, fmt):
+        return ", ".join(fmt.format(x) for x in xs) if xs else "-"
+    lines = ["| bandwidth | workers | algorithm | median step ms per round | / noop per round | "
+             "median of rounds | mean step / noop, median of rounds |",
+             "|---|---|---|---|---|---:|---:|"]
+    for r in rows:
+        med, mean = r.get("over_noop_median"), r.get("mean_over_noop_median")
+        lines.append(f"| {r['bandwidth']} | {r['workers']} | {r['algorithm']} | {joined(r['step_ms_rounds'], '{:.1f}')} | "
+                     f"{joined(r.get('over_noop_rounds'), '{:.2f}') if r['algorithm'] != 'noop' else ''} | "
+                     f"{'' if med is None else f'{med:.2f}'} | {'' if mean is None else f'{mean:.2f}'} |")
+    return "\n".join(lines)
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns=COLUMNS) -> str:
     return format_table(rows, columns)
 
@@ -417,6 +471,11 @@ def render_section(results: dict[str, Any], results_path: str, images_dir: Optio
         parts += ["", *(f"![{name}]({rel}/{name})" for name in
                        (*(f"to_target_{m}.png" for m in models),
                         "accuracy_vs_time.png", "step_time_split.png", "throughput_vs_bandwidth.png"))]
+    rounds = rounds_table(results.get("all_runs") or ())
+    if rounds:
+        parts += ["", "The table reports each configuration's median-step run of the rounds; per round, each run "
+                      "over the `noop` of its own round (rounds run one after another, so the pairing cancels the "
+                      "machine's drift between them):", "", rounds]
     lazy = lazy_table(rows)
     if lazy:
         parts += ["", "Lazy update: synchronized steps, tau, and exposed communication next to ssgd's:", "", lazy]
@@ -443,20 +502,23 @@ def update_doc(doc_path: str, body: str, section: str = DEFAULT_SECTION) -> None
         f.write(text)
 
 
-def print_tables(rows: Sequence[dict[str, Any]]) -> None:
+def print_tables(rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]] = ()) -> None:
     """What ``lowband bench`` and ``lowband report`` print: time to target, the per-run table,
-    and the lazy update's table where there are lazy runs (``rows`` already derived)."""
+    the lazy update's table where there are lazy runs (``rows`` already derived), and for a
+    ``--repeat`` bench (``runs``: every round's run) the per-round ratios to ``noop``."""
     print(target_table(rows))
     print("\n".join(target_summary(rows)))
     print(markdown_table(rows))
     if lazy_table(rows):
         print("\n" + lazy_table(rows))
+    if rounds_table(runs):
+        print("\nPer round (each run over the noop of its own round):\n\n" + rounds_table(runs))
 
 
 def main_report(results_path: str, doc: Optional[str], images: Optional[str], section: str = DEFAULT_SECTION) -> int:
     results = load(results_path)
     rows = derive(results["rows"])
-    print_tables(rows)
+    print_tables(rows, results.get("all_runs") or ())
     if images:
         os.makedirs(images, exist_ok=True)
         plot(rows, images)
