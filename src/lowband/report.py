@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 from typing import Any, Optional, Sequence
 
@@ -114,15 +115,9 @@ def round_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                             if r.get("step_ms") and n.get("step_ms")]
             for key, med in (("over_noop_rounds", "over_noop_median"), ("mean_over_noop_rounds", "mean_over_noop_median")):
                 if row[key]:
-                    row[med] = _median(row[key])
+                    row[med] = statistics.median(row[key])
         out.append(row)
     return out
-
-
-def _median(xs: Sequence[float]) -> float:
-    xs = sorted(xs)
-    k = len(xs) // 2
-    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
 
 
 def rounds_table(runs: Sequence[dict[str, Any]]) -> str:
@@ -511,8 +506,9 @@ def print_tables(rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]] 
     print(markdown_table(rows))
     if lazy_table(rows):
         print("\n" + lazy_table(rows))
-    if rounds_table(runs):
-        print("\nPer round (each run over the noop of its own round):\n\n" + rounds_table(runs))
+    rounds = rounds_table(runs)
+    if rounds:
+        print("\nPer round (each run over the noop of its own round):\n\n" + rounds)
 
 
 def main_report(results_path: str, doc: Optional[str], images: Optional[str], section: str = DEFAULT_SECTION) -> int:
