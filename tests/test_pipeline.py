@@ -52,14 +52,17 @@ def _inline_checks(rank: int, world: int):
     later = pipeline.submit(_sum_job(order, "later", 3.0 * (rank + 1)), pipeline)
     out["later"] = (float(later.wait()), float(held_job.wait()), order[-2:], pipeline.inline_jobs)
 
-    # rank 0 waits for its inline job while an earlier job is in flight (held by a gate that
-    # opens later): it must queue behind it; rank 1's queue is idle, so it runs both itself.
-    # Same collectives, same order, on both ranks.
+    # rank 0 waits for its inline job while an earlier job is in flight (held by a gate): it
+    # must queue behind it; rank 1's queue is idle, so it runs both itself. Same collectives,
+    # same order, on both ranks. (Rank 0 claims before opening the gate, as wait() does first:
+    # a timer could open it before a slow wait() got there.)
     gate = threading.Event()
     first = pipeline.submit(_sum_job(order, "first", 10.0 * (rank + 1), gate if rank == 0 else None), pipeline,
                             inline=rank == 1)
     second = pipeline.submit(_sum_job(order, "second", 100.0 * (rank + 1)), pipeline, inline=True)
-    threading.Timer(0.2, gate.set).start()
+    if rank == 0:
+        pipeline.claim(second._future)
+    gate.set()
     out["pair"] = (float(second.wait()), float(first.wait()), order[-2:], pipeline.inline_jobs)
 
     # a failing inline job fails its handle and every later job, inline or queued
