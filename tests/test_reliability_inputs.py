@@ -92,6 +92,7 @@ REPORT = [
     (["{binary}"], "{binary} is not a lowband bench results file (not JSON text)"),
     (["{object}"], "{object} is not a lowband bench results file (no list of 'rows')"),
     (["{badrow}"], "{badrow} is not a lowband bench results file (row 0 lacks bandwidth, workers"),
+    (["{badrun}"], "{badrun} is not a lowband bench results file (all_runs entry 1 lacks median_step_ms"),
 ]
 
 
@@ -99,13 +100,16 @@ REPORT = [
 def paths(tmp_path) -> dict[str, str]:
     p = {"file": tmp_path / "a-file", "dir": tmp_path / "empty", "missing": tmp_path / "nope.json",
          "text": tmp_path / "notes.txt", "binary": tmp_path / "blob.json", "object": tmp_path / "object.json",
-         "badrow": tmp_path / "badrow.json"}
+         "badrow": tmp_path / "badrow.json", "badrun": tmp_path / "badrun.json"}
     p["file"].write_text("x")
     p["dir"].mkdir()
     p["text"].write_text("this is not json\n")
     p["binary"].write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
     p["object"].write_text(json.dumps({"command": "lowband bench"}))
     p["badrow"].write_text(json.dumps({"rows": [{"algorithm": "ssgd", "median_step_ms": 1.0}]}))
+    good = {"algorithm": "ssgd", "bandwidth": "none", "workers": 2, "median_step_ms": 1.0, "median_comm_wait_ms": 0.0}
+    p["badrun"].write_text(json.dumps({"rows": [good], "all_runs": [good, {k: v for k, v in good.items()
+                                                                          if k != "median_step_ms"}]}))
     return {k: str(v) for k, v in p.items()}
 
 

@@ -70,6 +70,14 @@ def load(path: str) -> dict[str, Any]:
         missing = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
         if missing:
             raise ResultsFileError(f"{path} is not a lowband bench results file (row {i} lacks {', '.join(missing)})")
+    runs = results.get("all_runs", [])     # every round of a --repeat bench
+    if not isinstance(runs, list):
+        raise ResultsFileError(f"{path} is not a lowband bench results file ('all_runs' is not a list)")
+    for i, run in enumerate(runs):
+        missing = [k for k in ROW_KEYS if not isinstance(run, dict) or k not in run]
+        if missing:
+            raise ResultsFileError(f"{path} is not a lowband bench results file (all_runs entry {i} lacks "
+                                   f"{', '.join(missing)})")
     return results
 
 
