@@ -195,7 +195,8 @@ class Pipeline:
         if inline and device is None:
             self._deferred.append((item, threading.get_ident()))
         else:
-            self._dispatch()
+            if self._deferred:
+                self._dispatch()
             self._queued += 1
             self._queue.put(item)
         return future, device, span

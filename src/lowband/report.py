@@ -66,19 +66,19 @@ def load(path: str) -> dict[str, Any]:
     rows = results.get("rows") if isinstance(results, dict) else None
     if not isinstance(rows, list):
         raise ResultsFileError(f"{path} is not a lowband bench results file (no list of 'rows')")
-    for i, row in enumerate(rows):
-        missing = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
-        if missing:
-            raise ResultsFileError(f"{path} is not a lowband bench results file (row {i} lacks {', '.join(missing)})")
+    _check_rows(path, rows, "row")
     runs = results.get("all_runs", [])     # every round of a --repeat bench
     if not isinstance(runs, list):
         raise ResultsFileError(f"{path} is not a lowband bench results file ('all_runs' is not a list)")
-    for i, run in enumerate(runs):
-        missing = [k for k in ROW_KEYS if not isinstance(run, dict) or k not in run]
-        if missing:
-            raise ResultsFileError(f"{path} is not a lowband bench results file (all_runs entry {i} lacks "
-                                   f"{', '.join(missing)})")
+    _check_rows(path, runs, "all_runs entry")
     return results
+
+
+def _check_rows(path: str, rows: list, what: str) -> None:
+    for i, row in enumerate(rows):
+        missing = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ResultsFileError(f"{path} is not a lowband bench results file ({what} {i} lacks {', '.join(missing)})")
 
 
 def derive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -128,23 +128,28 @@ def round_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+#: the per-round table (:func:`rounds_table`)
+ROUND_COLUMNS = [
+    ("bandwidth", "bandwidth", "{}"),
+    ("workers", "workers", "{}"),
+    ("algorithm", "algorithm", "{}"),
+    ("median step ms per round", "step_ms_text", "{}"),
+    ("/ noop per round", "over_noop_text", "{}"),
+    ("median of rounds", "over_noop_median", "{:.2f}"),
+    ("mean step / noop, median of rounds", "mean_over_noop_median", "{:.2f}"),
+]
+
+
 def rounds_table(runs: Sequence[dict[str, Any]]) -> str:
     """:func:`round_ratios` as a markdown table ('' for a bench of one round)."""
     rows = round_ratios(runs)
     if not any(len(r["step_ms_rounds"]) > 1 for r in rows):
         return ""
-
-    def joined(xs, fmt):
-        return ", ".join(fmt.format(x) for x in xs) if xs else "-"
-    lines = ["| bandwidth | workers | algorithm | median step ms per round | / noop per round | "
-             "median of rounds | mean step / noop, median of rounds |",
-             "|---|---|---|---|---|---:|---:|"]
     for r in rows:
-        med, mean = r.get("over_noop_median"), r.get("mean_over_noop_median")
-        lines.append(f"| {r['bandwidth']} | {r['workers']} | {r['algorithm']} | {joined(r['step_ms_rounds'], '{:.1f}')} | "
-                     f"{joined(r.get('over_noop_rounds'), '{:.2f}') if r['algorithm'] != 'noop' else ''} | "
-                     f"{'' if med is None else f'{med:.2f}'} | {'' if mean is None else f'{mean:.2f}'} |")
-    return "\n".join(lines)
+        r["step_ms_text"] = ", ".join(f"{x:.1f}" for x in r["step_ms_rounds"])
+        if r.get("over_noop_rounds"):
+            r["over_noop_text"] = ", ".join(f"{x:.2f}" for x in r["over_noop_rounds"])
+    return format_table(rows, ROUND_COLUMNS)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns=COLUMNS) -> str:
