@@ -250,6 +250,38 @@ def _nonfinite_marks(rank: int, world: int, kind: str, codec: str, options: dict
     return got, want, exact_tests
 
 
+def _in_place(rank: int, world: int, kind: str):
+    """``start(..., copy=False, in_place=True)`` writes the average into the input tensor itself
+    and returns it, with the same bits (outputs, flags, residuals) as a new output; with an
+    exact share (inline or in an all-reduce beside the message), exact segments and a segment
+    absent on some ranks."""
+    from lowband.compressors import ErrorFeedback
+    codec = lambda: ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
+    fresh, in_place = make_reducer(kind, Communicator(), codec()), make_reducer(kind, Communicator(), codec())
+    n = sum(k for _, k in EXACT_SEGMENTS)
+    checks = []
+    for step in range(4):
+        x = _inputs(rank, step, n)
+        kw = dict(exact_segments=FIXED, exact=(250, 320) if step == 2 else None, flush_exact=True,
+                  present=torch.tensor([True, True, rank == 0 or step != 1, True]), check_finite=True)
+        a = fresh.start(x.clone(), "b", EXACT_SEGMENTS, **kw)
+        buffer = x.clone()
+        b = in_place.start(buffer, "b", EXACT_SEGMENTS, copy=False, in_place=True, **kw)
+        want, got = a.wait(), b.wait()
+        checks.append((got.data_ptr() == buffer.data_ptr(), torch.equal(buffer, want),
+                       torch.equal(b.present, a.present)))
+    sa, sb = fresh.state_dict()["worker"], in_place.state_dict()["worker"]
+    fresh.close()
+    in_place.close()
+    refused = []
+    for bad in (dict(copy=True), dict(copy=False, tensor=torch.zeros(n, dtype=torch.float64))):
+        try:
+            in_place.start(bad.pop("tensor", torch.zeros(n)), "b", EXACT_SEGMENTS, in_place=True, **bad)
+        except ValueError:
+            refused.append(True)
+    return checks, sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa), refused
+
+
 def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
     from lowband.compressors import ErrorFeedback
     comm = Communicator()
@@ -267,6 +299,7 @@ def _all_checks(rank: int, world: int, mode: str) -> dict:
             out[(kind, codec, repr(options))] = _matches_reference(rank, world, kind, codec, options)
         out[("present", kind)] = _present_and_exact(rank, world, kind)
         out[("exact_segments", kind)] = _exact_segments(rank, world, kind)
+        out[("in_place", kind)] = _in_place(rank, world, kind)
         for codec, options in CODECS:
             out[("nonfinite", kind, codec, repr(options))] = _nonfinite_marks(rank, world, kind, codec, options)
     if world == BYTES_WORLD and mode == "auto":
@@ -326,6 +359,15 @@ def test_exact_segments_ride_in_the_bucket_message(world, mode, kind):
         assert all(by_op[op][0] == 3 for op in ops), by_op
         # the exact share of step 2 needs an all-reduce of its own only where it is not inline
         assert by_op.get("all_reduce", [0])[0] == (0 if inline else 1), by_op
+
+
+@pytest.mark.parametrize("world, mode", WORLDS)
+@pytest.mark.parametrize("kind", ["allgather", "two-stage"])
+def test_in_place_average_writes_the_same_bits_into_the_input(world, mode, kind):
+    for checks, same_residuals, refused in (r[("in_place", kind)] for r in _results(world, mode)):
+        assert all(all(c) for c in checks), checks
+        assert same_residuals
+        assert refused == [True, True]      # a copied or non-fp32 input cannot take the average
 
 
 @pytest.mark.parametrize("codec, options, bound", BYTES_CASES)

@@ -2,9 +2,10 @@
 wait for is held until it is waited for, then runs on the waiting thread when the queue is
 idle and is queued behind the job in flight otherwise; a later submit queues it first. Each
 rank's collectives keep one order even when the ranks choose differently. And ``compressed``'s
-last bucket, which uses it, trains to the same bits as with every job on the thread, also when
-a parameter's bucket completes in backward on one rank and in ``step()`` on the other (where
-running the job at launch deadlocks against the engine's guard exchange)."""
+last bucket and ``cpsgd``'s warm-up last bucket, which use it, train to the same bits as with
+every job on the thread, also when a parameter's bucket completes in backward on one rank and
+in ``step()`` on the other (where running the job at launch deadlocks against the engine's
+guard exchange)."""
 from __future__ import annotations
 
 import threading
@@ -108,34 +109,42 @@ LAYOUTS = {"one": (SmallNet, {"warmup_steps": 3}),
            "partly used": (PartlyUsed, {"warmup_steps": 3})}
 
 
-def _compressed_both_ways(rank: int, world: int):
+#: per algorithm, the steps whose last bucket runs inline: compressed's every step; cpsgd's
+#: warm-up steps only (its pipelined jobs are waited for a step later, on the thread)
+INLINE_STEPS = {"compressed": STEPS, "cpsgd": 3}
+
+
+def _both_ways(rank: int, world: int):
     out = {}
-    for layout, (net, options) in LAYOUTS.items():
-        for inline in (True, False):
-            torch.manual_seed(0)
-            model = net(rank) if net is PartlyUsed else net()
-            opt = make_optimizer("sgd", model)
-            engine = lowband.distribute(model, opt, "compressed", **options, inline_last_bucket=inline)
-            params = train(model, opt, batches(rank, world), engine.step, STEPS, forward=engine.module)
-            out[layout, inline] = (params, engine.bound.reducer.pipeline.inline_jobs, len(engine.bound.buckets.buckets))
-            engine.close()
+    for algorithm in INLINE_STEPS:
+        for layout, (net, options) in LAYOUTS.items():
+            for inline in (True, False):
+                torch.manual_seed(0)
+                model = net(rank) if net is PartlyUsed else net()
+                opt = make_optimizer("sgd", model)
+                engine = lowband.distribute(model, opt, algorithm, **options, inline_last_bucket=inline)
+                params = train(model, opt, batches(rank, world), engine.step, STEPS, forward=engine.module)
+                out[algorithm, layout, inline] = (params, engine.bound.reducer.pipeline.inline_jobs,
+                                                  len(engine.bound.buckets.buckets))
+                engine.close()
     return out
 
 
 @pytest.fixture(scope="module")
-def compressed_runs():
-    return run_distributed(_compressed_both_ways, 2)
+def inline_runs():
+    return run_distributed(_both_ways, 2)
 
 
+@pytest.mark.parametrize("algorithm", list(INLINE_STEPS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_compressed_last_bucket_inline_trains_to_the_same_bits_as_on_the_thread(compressed_runs, layout):
-    for rank, out in enumerate(compressed_runs):
-        inline_params, inline_jobs, buckets = out[layout, True]
-        thread_params, thread_jobs, _ = out[layout, False]
+def test_last_bucket_inline_trains_to_the_same_bits_as_on_the_thread(inline_runs, algorithm, layout):
+    for rank, out in enumerate(inline_runs):
+        inline_params, inline_jobs, buckets = out[algorithm, layout, True]
+        thread_params, thread_jobs, _ = out[algorithm, layout, False]
         assert (buckets > 1) == (layout == "several"), buckets
         assert thread_jobs == 0, rank
-        # the last bucket of every step: step() waits for the earlier buckets first, so the
-        # queue is idle when it comes to the last one
-        assert inline_jobs == STEPS, (rank, inline_jobs)
+        # the last bucket of every such step: step() waits for the earlier buckets first, so
+        # the queue is idle when it comes to the last one
+        assert inline_jobs == INLINE_STEPS[algorithm], (rank, algorithm, inline_jobs)
         for name in thread_params:
             assert torch.equal(inline_params[name], thread_params[name]), (rank, layout, name)

@@ -52,7 +52,7 @@ TRAIN = [
     (["--bucket-mb", "-1"], "bad options for algorithm 'ssgd': option 'bucket_mb' must be >= 0, got -1.0"),
     (["--bucket-mb", "nan"], "option 'bucket_mb' must be a finite number, got nan"),
     (["--algorithm", "ssgd", "--option", "warmup_steps=3"],
-     "bad options for algorithm 'ssgd': unknown option 'warmup_steps'; its options are: bucket_mb, overlap"),
+     "bad options for algorithm 'ssgd': unknown option 'warmup_steps'; its options are: bucket_mb, gradient_as_bucket_view, overlap"),
     (["--algorithm", "ssgd", "--option", "overlap=maybe"], "option 'overlap' must be true or false, got 'maybe'"),
     (["--algorithm", "localsgd", "--option", "period=0"], "localsgd: period must be an integer >= 1, got 0"),
     (["--algorithm", "localsgd", "--option", "period=2.5"], "option 'period' must be an integer, got 2.5"),

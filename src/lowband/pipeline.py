@@ -389,7 +389,8 @@ class CompressedReducer:
     def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
               exact: Optional[tuple[int, int]] = None, flush_exact: bool = False,
               present: Optional[torch.Tensor] = None, exact_segments: Optional[Sequence[bool]] = None,
-              copy: bool = True, check_finite: bool = False, inline: bool = False) -> Handle:
+              copy: bool = True, check_finite: bool = False, inline: bool = False,
+              in_place: bool = False) -> Handle:
         """Average flat fp32 ``tensor`` through the codec with error feedback, on the queue.
         ``exact=(lo, hi)``: those elements are averaged exactly in fp32 instead (codes 0,
         residual untouched unless ``flush_exact``: then it is added and zeroed).
@@ -404,8 +405,14 @@ class CompressedReducer:
         the message (no extra bytes); the handle's ``nonfinite`` then says, per rank, which
         segments were bad (the engine's finiteness decision rides on the bucket).
         ``inline``: the caller waits for this bucket before starting anything else; run it on
-        the waiting thread if nothing else is in flight then (:meth:`Pipeline.submit`)."""
+        the waiting thread if nothing else is in flight then (:meth:`Pipeline.submit`).
+        ``in_place`` (with ``copy=False``, a contiguous fp32 ``tensor``): the average is written
+        into ``tensor`` itself, which the handle then returns flattened (no new output and no
+        copy for a caller whose gradients may alias its bucket, ``BucketSet.write_gradients``)."""
         segs = _check_segments(tensor, name, segments)
+        if in_place and (copy or tensor.dtype != torch.float32 or not tensor.is_contiguous()):
+            raise ValueError("in_place needs copy=False and a contiguous fp32 tensor, got "
+                             f"copy={copy}, {tensor.dtype}, contiguous={tensor.is_contiguous()}")
         lo, hi = (0, 0) if exact is None else (int(exact[0]), int(exact[1]))
         if not (0 <= lo <= hi <= tensor.numel()):
             raise ValueError(f"exact range {exact} outside a tensor of {tensor.numel()} elements")
@@ -419,9 +426,9 @@ class CompressedReducer:
         flat = tensor.detach().reshape(-1)
         snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
         return self.pipeline.submit(self._run, name, segs, snapshot, _present_for_job(present, len(segs)), lo, hi,
-                                    flush_exact, fixed, check_finite, inline=inline)
+                                    flush_exact, fixed, check_finite, in_place, inline=inline)
 
-    def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False):
+    def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False, in_place=False):
         flags = _host_flags(present)
         b = self._bucket(name, segs, g.device, fixed)
         comm = self.pipeline.comm
@@ -434,7 +441,8 @@ class CompressedReducer:
             exact_work = comm.all_reduce(ex, op=dist.ReduceOp.AVG, async_op=True)
         spans = b.plan.exact_spans(lo, hi if inline else lo, flush_exact, b.fixed)
         out, present, nonfinite = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi,
-                                             spans if spans.count else None, b.fixed, check_finite)
+                                             spans if spans.count else None, b.fixed, check_finite,
+                                             out=g if in_place else None)
         if exact_work is not None:
             exact_work.wait()
             out[lo:hi] = ex

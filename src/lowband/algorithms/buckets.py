@@ -216,10 +216,19 @@ class BucketSet:
         self._next = len(self.buckets)
 
     def write_gradients(self, b: Bucket, reduced: Optional[torch.Tensor] = None,
-                        present: Optional[torch.Tensor] = None) -> None:
+                        present: Optional[torch.Tensor] = None, as_views: bool = False) -> None:
         """Write a bucket's reduced values (default: its own buffer) back into ``.grad``, in the
         parameter's dtype; parameters whose flag is zero on every rank (or whose ``present``
         entry is False, when given) get ``grad = None``.
+
+        ``as_views``: where the values are the bucket's own buffer (the reduction wrote into
+        it) and the parameter has its dtype, ``.grad`` becomes the parameter's view of the
+        buffer instead of a copy (DDP's ``gradient_as_bucket_view``): one pass over the
+        gradients and an allocation less per step. Only for an algorithm that leaves the buffer
+        alone from here until the next backward has produced every gradient of the bucket (a
+        synchronous step): the next backward's copies overwrite these views, and a backward
+        that accumulates into them (no ``zero_grad``) writes into the buffer, as it would into
+        a separate ``.grad``.
 
         Which parameters get a gradient is decided on the host. A bucket this rank launched
         complete needs no look: its averaged flags are all > 0. Otherwise the averaged flags
@@ -232,10 +241,15 @@ class BucketSet:
             flags = [True] * len(b.param_indices)
         else:
             flags = (values[b.numel:] > 0).tolist()
+        views = b.views().params if as_views and values.dtype == b.buffer.dtype and \
+            values.data_ptr() == b.buffer.data_ptr() else None
         for k, i in enumerate(b.param_indices):
             p = self.params[i]
             if not flags[k]:
                 p.grad = None
+                continue
+            if views is not None and p.dtype == values.dtype:
+                p.grad = views[k]
                 continue
             g = values[b.offsets[k]: b.offsets[k] + p.numel()].view_as(p)
             if p.grad is None:

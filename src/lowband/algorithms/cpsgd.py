@@ -190,6 +190,11 @@ class CPSGD(Algorithm):
             ``"sgd"``: w = W - local_lr * g_t (the paper's plain-SGD local optimizer);
             ``"none"``: w = W_{t-1} (no local compensation).
         local_lr: alpha for ``"sgd"``; ``None`` uses each parameter group's learning rate.
+        inline_last_bucket: as for ``compressed``, for the warm-up steps only: on the CPU their
+            last bucket's fp32 all-reduce runs on the training thread when ``step()`` waits for
+            it (it waits at once; nothing runs beside it), not on the pipeline's thread. Same
+            collectives in the same order, same values. Pipelined steps keep every job on the
+            thread: their jobs are waited for a step later, behind the next compute step.
     """
 
     compressor: str = "2bit"
@@ -208,6 +213,7 @@ class CPSGD(Algorithm):
     compress_vectors: bool = False
     local_update: str = "optimizer"
     local_lr: Optional[float] = None
+    inline_last_bucket: bool = True
 
     name: ClassVar[str] = "cpsgd"
 
@@ -223,7 +229,8 @@ class CPSGD(Algorithm):
             raise ValueError(f"cpsgd: correction_period must be an integer >= 1 or None, got {k!r}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"cpsgd: correction must be one of {CORRECTIONS}, got {self.correction!r}")
-        for knob in ("adapt_period", "fit_period", "flush_residual_on_correction", "compress_vectors"):
+        for knob in ("adapt_period", "fit_period", "flush_residual_on_correction", "compress_vectors",
+                     "inline_last_bucket"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"cpsgd: {knob} must be True or False, got {getattr(self, knob)!r}")
         if self.adapt_period and (k is None or self.min_period > self.max_period):
@@ -265,6 +272,9 @@ class BoundCPSGD(BoundAlgorithm):
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.cfg.bucket_mb * MIB), self._launch,
                                  double_buffered=True)
         self.uncopied = "copy" in start
+        # the warm-up's last bucket on the training thread, where the reducer offers it
+        self.inline_warmup = self.cfg.inline_last_bucket and \
+            "inline" in inspect.signature(self.reducer.start_full_precision).parameters
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         # 1-D parameters are always averaged exactly (unless compress_vectors): in the bucket's own
         # message where the reducer takes exact_segments=, else as ranges on the side channel
@@ -356,7 +366,9 @@ class BoundCPSGD(BoundAlgorithm):
     def _launch(self, b: Bucket):
         key, segs, t = f"bucket{b.index}", self.segments[b.index], self.t
         if self.in_warmup(t):
-            return self.reducer.start_full_precision(b.buffer, key)   # gradients and flags
+            # step() waits for the last bucket as soon as it is launched (backward has ended)
+            inline = {"inline": True} if self.inline_warmup and b.index == len(self.buckets.buckets) - 1 else {}
+            return self.reducer.start_full_precision(b.buffer, key, **inline)   # gradients and flags
         flight = self._launching
         if self.is_burst(t):
             flush = self.cfg.flush_residual_on_correction

@@ -22,10 +22,17 @@ class SSGD(Algorithm):
             smaller caps (1-4 MiB) can win — measure with ``benchmarks/overlap.py``.
         overlap: launch each bucket's all-reduce during backward (True) or only after
             backward (False, the "no overlap" baseline of the overlap benchmark).
+        gradient_as_bucket_view: as DDP's knob of that name, off by default as there: after
+            the all-reduce each ``.grad`` becomes its parameter's view of the bucket instead of
+            a copy (a gradient-sized allocation and a pass over the gradients less per step;
+            ``BucketSet.write_gradients``). The views are overwritten by the next backward's
+            gradients, so a ``.grad`` kept across steps silently changes: opt in where no code
+            does that.
     """
 
     bucket_mb: float = 1.0
     overlap: bool = True
+    gradient_as_bucket_view: bool = False
 
     name: ClassVar[str] = "ssgd"
 
@@ -56,6 +63,6 @@ class BoundSSGD(BoundAlgorithm):
         self.buckets.launch_remaining()
         for b in self.buckets.buckets:
             b.handle.wait()
-            self.buckets.write_gradients(b)
+            self.buckets.write_gradients(b, as_views=self.cfg.gradient_as_bucket_view)
         self.ctx.optimizer.step()
         self.buckets.reset()

@@ -245,7 +245,7 @@ class Plan:
     def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
             e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
             exact: Optional[ExactSpans] = None, fixed: Optional[np.ndarray] = None,
-            check_finite: bool = False,
+            check_finite: bool = False, out: Optional[torch.Tensor] = None,
             ) -> tuple[torch.Tensor, np.ndarray, Optional[np.ndarray]]:
         """One exchange of bucket ``g``: ``(decoded average, present per segment, non-finite
         segments per rank)``. ``[lo, hi)`` and the segments flagged in ``fixed`` are not coded
@@ -254,7 +254,8 @@ class Plan:
         the caller sends a share that is not in ``exact`` itself). ``check_finite``: test this
         rank's ``g`` for NaN/Inf (:meth:`encode`) and mark its bad segments in its flag bytes;
         the last item is every rank's marks, ``[world, segments]`` bool, or None when no rank
-        marked any."""
+        marked any. ``out``: where the average goes (fp32, ``g``'s size; it may be ``g``
+        itself: ``g`` is read only before the first decode); default a new tensor."""
         raise NotImplementedError
 
 
@@ -277,7 +278,8 @@ class AllgatherPlan(Plan):
     def inline_exact(self) -> bool:
         return self.world <= 2
 
-    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False):
+    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False,
+            out=None):
         lay, p, dev = self.layout, self.world, g.device
         R = 0 if exact is None else exact.count
         stride = lay.section + 4 * R
@@ -288,7 +290,7 @@ class AllgatherPlan(Plan):
             exact.gather_into(g, e_worker, send[lay.section:].view(torch.float32))
         gathered = self._buffer("gathered", p * stride, dev)
         comm.all_gather(gathered, send)
-        out = torch.empty(self.numel, dtype=torch.float32, device=dev)
+        out = _output(out, self.numel, dev)
         self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p), stride)
         if R:
             exact.scatter_mean(_raw_rows(gathered, p, stride, lay.section), p, out)
@@ -356,7 +358,8 @@ class TwoStagePlan(Plan):
             self._mine_index = (torch.from_numpy(bucket).to(device), torch.from_numpy(server).to(device))
         return self._mine_index
 
-    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False):
+    def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False,
+            out=None):
         lay, slay, p, dev = self.layout, self.server_layout, self.world, g.device
         R = 0 if exact is None else exact.count
         rc = -(-R // p)                      # exact elements per owner (the last ones padded)
@@ -389,7 +392,7 @@ class TwoStagePlan(Plan):
         # stage 2: every rank gets every owner's re-compressed chunks (and exact averages)
         gathered = self._buffer("gathered", p * stride2, dev)
         comm.all_gather(gathered, sbuf)
-        out = torch.empty(self.numel, dtype=torch.float32, device=dev)
+        out = _output(out, self.numel, dev)
         runs, table = self.dec2(stride2)
         self.server.decode(gathered, 1, runs, table, out, False, 1.0, stride2)
         if R:   # the owners' averages, in order: one row, no division
@@ -398,6 +401,16 @@ class TwoStagePlan(Plan):
 
 
 PLANS = {"allgather": AllgatherPlan, "two-stage": TwoStagePlan}
+
+
+def _output(out: Optional[torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
+    """A plan's output: ``out`` (checked) or a new fp32 tensor."""
+    if out is None:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {numel} elements, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return out.view(-1)
 
 
 def make_plan(kind: str, world: int, rank: int, segments: Segments, codec: Compressor,
