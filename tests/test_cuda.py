@@ -120,11 +120,17 @@ def _reduce_bits(rank: int, world: int, device: str, name: str, options: dict):
     found = []
     for kind in ("allgather", "two-stage"):
         red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(name, **options)))
+        # the same steps averaged into their input (in_place, gradient_as_bucket_view's path)
+        into = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(name, **options)))
         for step in range(3):
             x = torch.randn(total, generator=torch.Generator().manual_seed(100 * rank + step)).to(dev)
             found.append(red.reduce(x, "b", segments).cpu())
+            buffer = x.clone()
+            same = into.start(buffer, "b", segments, copy=False, in_place=True).wait().data_ptr() == buffer.data_ptr()
+            found.extend([torch.tensor([float(same)]), buffer.cpu()])
         found.extend(v.cpu() for _, v in sorted(red.state_dict()["worker"].items()))
         red.close()
+        into.close()
     return found
 
 
@@ -132,7 +138,8 @@ def _reduce_bits(rank: int, world: int, device: str, name: str, options: dict):
 @pytest.mark.parametrize("name, options", FUSED)
 def test_fused_reducers_on_cuda_equal_the_cpu_bit_for_bit(name, options, backend):
     """The same reduction over gloo with CPU tensors (native kernels) and with CUDA tensors
-    (over gloo, or NCCL where each rank has a GPU): every output and residual equal bit for bit."""
+    (over gloo, or NCCL where each rank has a GPU): every output and residual equal bit for bit,
+    also where the average is written into the input (``in_place``)."""
     cpu = run_distributed(_reduce_bits, 2, "cpu", name, options)
     gpu = run_distributed(_reduce_bits, 2, "cuda", name, options, backend=backend)
     for rank in range(2):
