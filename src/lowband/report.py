@@ -24,10 +24,15 @@ def markers(section: str) -> tuple[str, str]:
     """The comment lines that delimit one generated section of a markdown file."""
     return f"<!-- lowband-{section}:begin -->", f"<!-- lowband-{section}:end -->"
 
-COLUMNS = [
+#: the columns that name a configuration, first in every table of runs
+CONFIG_COLUMNS = [
     ("bandwidth", "bandwidth", "{}"),
     ("workers", "workers", "{}"),
     ("algorithm", "algorithm", "{}"),
+]
+
+COLUMNS = [
+    *CONFIG_COLUMNS,
     ("steps", "steps", "{}"),
     ("test acc", "test_accuracy", "{:.2%}"),
     ("step ms", "median_step_ms", "{:.1f}"),
@@ -110,14 +115,16 @@ def round_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["bandwidth"], r["workers"], r["algorithm"]), []).append(r)
+    def round_of(r: dict[str, Any]) -> int:
+        return r.get("repeat", 0)
     out = []
     for (bw, workers, algorithm), rs in groups.items():
-        rs = sorted(rs, key=lambda r: r.get("repeat", 0))
-        noop = {r.get("repeat", 0): r for r in groups.get((bw, workers, "noop"), [])}
+        rs = sorted(rs, key=round_of)
+        noop = {round_of(r): r for r in groups.get((bw, workers, "noop"), [])}
         row = {"bandwidth": bw, "workers": workers, "algorithm": algorithm,
                "step_ms_rounds": [r["median_step_ms"] for r in rs]}
         if algorithm != "noop":
-            paired = [(r, noop[r.get("repeat", 0)]) for r in rs if r.get("repeat", 0) in noop]
+            paired = [(r, noop[round_of(r)]) for r in rs if round_of(r) in noop]
             row["over_noop_rounds"] = [r["median_step_ms"] / n["median_step_ms"] for r, n in paired]
             row["mean_over_noop_rounds"] = [r["step_ms"] / n["step_ms"] for r, n in paired
                                             if r.get("step_ms") and n.get("step_ms")]
@@ -130,9 +137,7 @@ def round_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 #: the per-round table (:func:`rounds_table`)
 ROUND_COLUMNS = [
-    ("bandwidth", "bandwidth", "{}"),
-    ("workers", "workers", "{}"),
-    ("algorithm", "algorithm", "{}"),
+    *CONFIG_COLUMNS,
     ("median step ms per round", "step_ms_text", "{}"),
     ("/ noop per round", "over_noop_text", "{}"),
     ("median of rounds", "over_noop_median", "{:.2f}"),
@@ -235,9 +240,7 @@ LOSS_TARGET_SHARE = 0.95
 UNTRAINED_LM_LOSS = math.log(256)
 TARGET_COLUMNS = [
     ("model", "model", "{}"),
-    ("bandwidth", "bandwidth", "{}"),
-    ("workers", "workers", "{}"),
-    ("algorithm", "algorithm", "{}"),
+    *CONFIG_COLUMNS,
     ("final", "final_metric", "{:.4g}"),
     ("target", "target", "{:.4g}"),
     ("time to target s", "time_to_target_s", "{:.1f}"),
@@ -385,9 +388,7 @@ def plot_to_target(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
 
 TAU_PLOT = "tau_over_steps.png"
 LAZY_COLUMNS = [
-    ("bandwidth", "bandwidth", "{}"),
-    ("workers", "workers", "{}"),
-    ("algorithm", "algorithm", "{}"),
+    *CONFIG_COLUMNS,
     ("synced steps", "synced_fraction", "{:.1%}"),
     ("mean tau", "mean_tau", "{:.2f}"),
     ("final tau", "final_tau", "{}"),
@@ -517,8 +518,9 @@ def print_tables(rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]] 
     print(target_table(rows))
     print("\n".join(target_summary(rows)))
     print(markdown_table(rows))
-    if lazy_table(rows):
-        print("\n" + lazy_table(rows))
+    lazy = lazy_table(rows)
+    if lazy:
+        print("\n" + lazy)
     rounds = rounds_table(runs)
     if rounds:
         print("\nPer round (each run over the noop of its own round):\n\n" + rounds)

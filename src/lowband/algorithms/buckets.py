@@ -224,7 +224,7 @@ class BucketSet:
         ``as_views``: where the values are the bucket's own buffer (the reduction wrote into
         it) and the parameter has its dtype, ``.grad`` becomes the parameter's view of the
         buffer instead of a copy (DDP's ``gradient_as_bucket_view``): one pass over the
-        gradients and an allocation less per step. Only for an algorithm that leaves the buffer
+        gradients less per step (and an allocation, where ``.grad`` was None). Only for an algorithm that leaves the buffer
         alone from here until the next backward has produced every gradient of the bucket (a
         synchronous step): the next backward's copies overwrite these views, and a backward
         that accumulates into them (no ``zero_grad``) writes into the buffer, as it would into

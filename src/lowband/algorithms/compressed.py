@@ -75,8 +75,9 @@ class CompressedSGD(Algorithm):
         gradient_as_bucket_view: as DDP's knob of that name, off by default as there: the
             compressed steps' average is decoded into the bucket itself (the reducer's
             ``in_place``) and each ``.grad`` becomes its parameter's view of the bucket, instead
-            of a new output copied into new gradients: two gradient-sized allocations and one
-            pass over the gradients less per step (``BucketSet.write_gradients``). Measured on
+            of a new output copied into the gradients: one pass over the gradients and the
+            output's allocation less per step, and the gradients' too where the loop sets them
+            to None (``BucketSet.write_gradients``). Measured on
             cnn, 2 workers over loopback (docs/results.md, "Thirty-first session"): the copy's
             0.2 ms of training-thread CPU per step goes, the step time does not move beyond this
             machine's noise. The views are overwritten by the next backward's gradients, so a
