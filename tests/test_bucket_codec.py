@@ -196,6 +196,72 @@ def test_native_encode_equals_torch_path(case, sizes, chunks, seed, ef, skip, na
                 assert torch.equal(_bits(e1[src + a:src + b]), _bits(e[src + a:src + b]))
 
 
+def _apart(bc, g, moved):
+    """``g``'s segments listed in ``moved`` copied out into tensors of their own (the sources),
+    and a bucket whose places for them hold garbage: an encode that read the bucket there
+    would differ."""
+    lay = bc.layout
+    sources, bucket = [], g.clone()
+    for s, (o, n) in enumerate(zip(lay.seg_off.tolist(), lay.numel.tolist())):
+        if s in moved:
+            sources.append(g[o:o + n].clone().view(1, -1) if s % 2 else g[o:o + n].clone())
+            bucket[o:o + n] = float("nan") if s % 3 else 1e30
+        else:
+            sources.append(None)
+    return sources, bucket
+
+
+@SETTINGS
+@given(case=st.sampled_from(CODECS), sizes=sizes_st, chunks=st.integers(1, 5), seed=st.integers(0, 2**20),
+       ef=st.booleans(), skip=st.tuples(st.integers(0, 3000), st.integers(0, 3000), st.booleans()),
+       nan=st.booleans(), moved=st.sets(st.integers(0, 4)), simd=st.booleans(), mode=st.sampled_from(["auto", "torch"]))
+def test_encoding_segments_where_they_are_equals_the_flat_bucket(case, sizes, chunks, seed, ef, skip, nan, moved,
+                                                                 simd, mode):
+    """``encode(..., sources=)`` (each run's input address, the ``*_encode_at`` kernels; or, off
+    the native path, the sources copied into the bucket first) gives the codes, residuals and
+    finiteness proof of the flat bucket, bit for bit, whichever segments are elsewhere."""
+    bc = _bucket(case, sizes, chunks)
+    g, e = _data(bc.layout.total, seed, nan)
+    lo, hi = sorted(skip[:2])
+    sk = _skip(bc, lo, hi, skip[2])
+    sources, bucket = _apart(bc, g, moved)
+    outs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernels.ENV, mode)
+        lib = kernels.library()
+        for src, values in ((None, g), (sources, bucket)):
+            out = torch.zeros(bc.layout.chunks * bc.layout.section, dtype=torch.uint8)
+            res = e.clone() if ef else None
+            if lib is not None:
+                lib.lb_set_simd(int(simd))
+            try:
+                proof = bc.encode(values, res, out, sk, sources=src)
+            finally:
+                if lib is not None:
+                    lib.lb_set_simd(1)
+            outs.append((out, res, proof))
+        reads = bc.reads_sources(bucket, e, outs[1][0], sources)
+    (o1, e1, p1), (o2, e2, p2) = outs
+    assert reads == (mode == "auto" and bc.kind is not None)
+    assert torch.equal(o1, o2) and _same_bits(e1, e2) and p1 == p2
+
+
+def test_sources_that_do_not_fit_the_native_encoder_are_copied_into_the_bucket():
+    bc = _bucket(("2bit", {"relative": 1.0, "scale_block": 256}), [300, 40], 2)
+    g, e = _data(bc.layout.total, 3)
+    out = torch.zeros(bc.layout.chunks * bc.layout.section, dtype=torch.uint8)
+    strided = torch.zeros(600)[::2]
+    strided.copy_(g[:300])
+    for sources in ([strided, None], [g[:300].double(), None]):
+        assert not bc.reads_sources(g, e, out, sources)
+    ref = out.clone()
+    bc.encode(g, e.clone(), ref)
+    bucket = g.clone()
+    bucket[:300] = 0.0
+    bc.encode(bucket, e.clone(), out, sources=[strided, None])
+    assert torch.equal(out, ref) and torch.equal(bucket, g)      # copied in, then encoded
+
+
 @pytest.mark.parametrize("ef", [True, False])
 @pytest.mark.parametrize("chunks", [1, 2, 3])
 def test_native_scale_aware_full_blocks_equal_torch_path(ef, chunks):

@@ -282,6 +282,63 @@ def _in_place(rank: int, world: int, kind: str):
     return checks, sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa), refused
 
 
+def _sources(rank: int, world: int, kind: str, codec_name: str, options: dict):
+    """``start(..., copy=False, sources=...)``: segments whose values are in tensors of their own
+    (the bucket holds garbage there) give the outputs, flags and residuals of the flat bucket,
+    bit for bit; with ``in_place`` the average of those segments is written into their tensors
+    and the rest into the bucket. Covers an exact segment given a source (copied in), a segment
+    absent on some ranks, an exact share (step 2: every source copied in) and a NaN (step 3)."""
+    from lowband.compressors import ErrorFeedback
+    codec = lambda: ErrorFeedback(make_compressor(codec_name, **options))
+    flat, by_ref, by_ref_in_place = (make_reducer(kind, Communicator(), codec()) for _ in range(3))
+    n = sum(k for _, k in EXACT_SEGMENTS)
+    offsets = np.concatenate([[0], np.cumsum([k for _, k in EXACT_SEGMENTS])[:-1]]).tolist()
+    checks = []
+    for step in range(4):
+        x = _inputs(rank, step, n)
+        if step == 3 and rank == world - 1:
+            x[offsets[2] + 5] = float("nan")
+        kw = dict(exact_segments=FIXED, exact=(250, 320) if step == 2 else None, flush_exact=True,
+                  present=torch.tensor([True, True, rank == 0 or step != 1, True]), check_finite=True)
+        want = flat.start(x.clone(), "b", EXACT_SEGMENTS, **kw)
+        got = []
+        for red, in_place in ((by_ref, False), (by_ref_in_place, True)):
+            bucket, sources = x.clone(), []
+            for (name, k), o in zip(EXACT_SEGMENTS, offsets):
+                moved = name != "b2"          # b1 is exact: copied into the bucket by start()
+                sources.append(x[o:o + k].clone() if moved else None)
+                if moved:
+                    bucket[o:o + k] = 1e30
+            h = red.start(bucket, "b", EXACT_SEGMENTS, copy=False, in_place=in_place, sources=sources, **kw)
+            got.append((h, bucket, sources))
+        w = want.wait()
+        for (h, bucket, sources), in_place in zip(got, (False, True)):
+            out = h.wait()
+            if in_place:
+                out = bucket.clone()
+                for t, o, fixed in zip(sources, offsets, FIXED):
+                    if t is not None and not fixed and step != 2:   # (else copied in, averaged in the bucket)
+                        out[o:o + t.numel()] = t
+            checks.append((_same_values(out, w),
+                           torch.equal(h.present, want.present),
+                           _same_marks(getattr(h, "nonfinite", None), getattr(want, "nonfinite", None))))
+    states = [r.state_dict()["worker"] for r in (flat, by_ref, by_ref_in_place)]
+    for r in (flat, by_ref, by_ref_in_place):
+        r.close()
+    same_residuals = all(sorted(s) == sorted(states[0]) and all(_same_values(s[k], states[0][k]) for k in s)
+                         for s in states[1:])
+    return checks, same_residuals
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where the other is NaN."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _same_marks(a, b) -> bool:
+    return (a is None) == (b is None) and (a is None or np.array_equal(a, b))
+
+
 def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
     from lowband.compressors import ErrorFeedback
     comm = Communicator()
@@ -300,6 +357,8 @@ def _all_checks(rank: int, world: int, mode: str) -> dict:
         out[("present", kind)] = _present_and_exact(rank, world, kind)
         out[("exact_segments", kind)] = _exact_segments(rank, world, kind)
         out[("in_place", kind)] = _in_place(rank, world, kind)
+        for codec, options in CODECS:
+            out[("sources", kind, codec, repr(options))] = _sources(rank, world, kind, codec, options)
         for codec, options in CODECS:
             out[("nonfinite", kind, codec, repr(options))] = _nonfinite_marks(rank, world, kind, codec, options)
     if world == BYTES_WORLD and mode == "auto":
@@ -368,6 +427,18 @@ def test_in_place_average_writes_the_same_bits_into_the_input(world, mode, kind)
         assert all(all(c) for c in checks), checks
         assert same_residuals
         assert refused == [True, True]      # a copied or non-fp32 input cannot take the average
+
+
+@pytest.mark.parametrize("world, mode", WORLDS)
+@pytest.mark.parametrize("kind", ["allgather", "two-stage"])
+def test_segments_read_where_they_are_and_averaged_back_there_equal_the_flat_bucket(world, mode, kind):
+    results = _results(world, mode)
+    keys = [k for k in results[0] if isinstance(k, tuple) and k[:2] == ("sources", kind)]
+    assert len(keys) == len(CODECS)
+    for k in keys:
+        for checks, same_residuals in (r[k] for r in results):
+            assert all(all(c) for c in checks), (k, checks)
+            assert same_residuals, k
 
 
 @pytest.mark.parametrize("codec, options, bound", BYTES_CASES)

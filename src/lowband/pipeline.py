@@ -44,6 +44,8 @@ from .collectives.communicator import Communicator
 from .collectives.compressed import Plan, make_plan, resolve_collective
 from .comm_threads import name_this_thread
 from .compressors import Compressor, ErrorFeedback
+from .compressors import kernels
+from .compressors.bucket import Sources, native_kind
 from .streams import SideStream, cuda_device_of
 
 Segments = Sequence[tuple[str, int]]
@@ -62,7 +64,10 @@ class Handle:
     ``wait()`` is charged to the exposed-communication clock. After ``wait()``, ``present``
     is a bool tensor per segment: whether any rank produced that segment's gradient, and
     ``nonfinite`` (for a bucket started with ``check_finite``) a ``[world, segments]`` bool
-    array of the segments each rank found non-finite, or None when none did."""
+    array of the segments each rank found non-finite, or None when none did. ``targets``
+    (set at the start): per segment, the tensor of its own that the job writes that segment's
+    average into (a flat view of a ``sources`` entry, ``in_place``), or None (in the
+    returned tensor); None when every segment's average is in the returned tensor."""
 
     def __init__(self, future: Future, comm: Communicator, side: SideStream, device: Optional[torch.device],
                  span: Optional[list[float]] = None, pipeline: Optional["Pipeline"] = None):
@@ -74,6 +79,7 @@ class Handle:
         self._span = span
         self.present: Optional[torch.Tensor] = None
         self.nonfinite: Optional[np.ndarray] = None
+        self.targets: Optional[list] = None
 
     @property
     def span(self) -> Optional[tuple[float, float]]:
@@ -317,6 +323,33 @@ def _host_flags(present: "Optional[torch.Tensor | np.ndarray]") -> Optional[np.n
     return present.cpu().numpy()
 
 
+def _sources_for_job(flat: torch.Tensor, segs: list[tuple[str, int]], sources: Sources,
+                     fixed: Optional[np.ndarray], exact_range: bool) -> Optional[list]:
+    """:meth:`CompressedReducer.start`'s ``sources`` as the job reads them: a new list (the
+    caller may reuse its own), each entry a flat view of its tensor (checked against its
+    segment's size) or None. The sources of ``fixed`` segments, and all of them when an exact
+    range is sent (it may cross any segment), are copied into ``flat``: the exact values are
+    read from there; so are sources that are not contiguous (no flat view of them). None when
+    nothing is left outside ``flat``.""" 
+    if len(sources) != len(segs):
+        raise ValueError(f"sources has {len(sources)} entries for {len(segs)} segments")
+    out, offset, outside = [], 0, False
+    for s, ((seg, n), t) in enumerate(zip(segs, sources)):
+        if t is not None:
+            if t.numel() != n:
+                raise ValueError(f"source of segment {seg!r} has {t.numel()} elements, expected {n}")
+            t = t.detach()
+            if exact_range or (fixed is not None and fixed[s]) or not t.is_contiguous():
+                flat[offset:offset + n].copy_(t.reshape(-1))
+                t = None
+            else:
+                t = t.view(-1)          # the job may write the average back into it (in_place)
+        outside |= t is not None
+        out.append(t)
+        offset += n
+    return out if outside else None
+
+
 class CompressedReducer:
     """Compressed averaging of flat fp32 buckets on an ordered pipeline (module docstring).
 
@@ -386,11 +419,19 @@ class CompressedReducer:
                 view.copy_(saved.reshape(-1))
 
     # -- contract ------------------------------------------------------------------------
+    def reads_sources(self, device: torch.device) -> bool:
+        """Whether :meth:`start`'s ``sources`` on ``device`` are read where they are (native
+        encoders that take run addresses, for this codec on the CPU) rather than copied into
+        the bucket on the pipeline's thread (correct either way; the caller's copy, during
+        backward, is then as good)."""
+        return device.type == "cpu" and native_kind(self.codec) is not None and \
+            kernels.library_having("has_sources") is not None
+
     def start(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, *,
               exact: Optional[tuple[int, int]] = None, flush_exact: bool = False,
               present: Optional[torch.Tensor] = None, exact_segments: Optional[Sequence[bool]] = None,
               copy: bool = True, check_finite: bool = False, inline: bool = False,
-              in_place: bool = False) -> Handle:
+              in_place: bool = False, sources: Optional[Sources] = None) -> Handle:
         """Average flat fp32 ``tensor`` through the codec with error feedback, on the queue.
         ``exact=(lo, hi)``: those elements are averaged exactly in fp32 instead (codes 0,
         residual untouched unless ``flush_exact``: then it is added and zeroed).
@@ -407,8 +448,17 @@ class CompressedReducer:
         ``inline``: the caller waits for this bucket before starting anything else; run it on
         the waiting thread if nothing else is in flight then (:meth:`Pipeline.submit`).
         ``in_place`` (with ``copy=False``, a contiguous fp32 ``tensor``): the average is written
-        into ``tensor`` itself, which the handle then returns flattened (no new output and no
-        copy for a caller whose gradients may alias its bucket, ``BucketSet.write_gradients``)."""
+        where the values were read: into ``tensor`` itself, which the handle then returns
+        flattened, and into the ``sources`` of the segments that have one (no new output and no
+        copy for a caller whose gradients may alias its bucket or be the sources,
+        ``BucketSet.write_gradients``).
+        ``sources`` (with ``copy=False``; one entry per segment): segments whose values are not
+        in ``tensor`` but in a tensor of their own (None: in ``tensor``), read where they are by
+        the native encoders (a gradient is not copied into the bucket,
+        ``BucketSet.by_reference``); the caller leaves them untouched until the handle is waited
+        for. Exact segments, an ``exact`` range and sources that are not contiguous take their
+        values from ``tensor``: those sources are copied into it here. The handle's ``targets``
+        says which segments' averages went into their own tensors (``in_place``)."""
         segs = _check_segments(tensor, name, segments)
         if in_place and (copy or tensor.dtype != torch.float32 or not tensor.is_contiguous()):
             raise ValueError("in_place needs copy=False and a contiguous fp32 tensor, got "
@@ -425,10 +475,17 @@ class CompressedReducer:
                 fixed = None          # nothing exact: the same bucket as without exact_segments
         flat = tensor.detach().reshape(-1)
         snapshot = flat.to(torch.float32, copy=True) if copy or flat.dtype != torch.float32 else flat
-        return self.pipeline.submit(self._run, name, segs, snapshot, _present_for_job(present, len(segs)), lo, hi,
-                                    flush_exact, fixed, check_finite, in_place, inline=inline)
+        if sources is not None:
+            if copy:
+                raise ValueError("sources need copy=False (the job reads them where they are)")
+            sources = _sources_for_job(snapshot, segs, sources, fixed, hi > lo)
+        handle = self.pipeline.submit(self._run, name, segs, snapshot, _present_for_job(present, len(segs)), lo, hi,
+                                      flush_exact, fixed, check_finite, in_place, sources, inline=inline)
+        handle.targets = sources if in_place else None
+        return handle
 
-    def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False, in_place=False):
+    def _run(self, name, segs, g, present, lo, hi, flush_exact, fixed, check_finite=False, in_place=False,
+             sources=None):
         flags = _host_flags(present)
         b = self._bucket(name, segs, g.device, fixed)
         comm = self.pipeline.comm
@@ -442,7 +499,8 @@ class CompressedReducer:
         spans = b.plan.exact_spans(lo, hi if inline else lo, flush_exact, b.fixed)
         out, present, nonfinite = b.plan.run(comm, g, b.e_worker, b.e_server, flags, lo, hi,
                                              spans if spans.count else None, b.fixed, check_finite,
-                                             out=g if in_place else None)
+                                             out=g if in_place else None, sources=sources,
+                                             targets=sources if in_place else None)
         if exact_work is not None:
             exact_work.wait()
             out[lo:hi] = ex

@@ -42,6 +42,9 @@ class Bucket:
     spare: Optional[torch.Tensor] = None   # double buffering: the previous iteration's buffer
     complete: bool = False           # launched with every parameter's gradient of this rank
     shapes: list = field(default_factory=list, repr=False)   # each parameter's shape, in bucket order
+    #: per parameter, in bucket order: the gradient tensor itself where it was not copied into
+    #: the buffer (``BucketSet.by_reference``), else None (its values are in the buffer)
+    sources: list = field(default_factory=list, repr=False)
     #: per buffer (by its data pointer): its views, made once (:meth:`views`)
     _views: dict = field(default_factory=dict, repr=False)
 
@@ -143,7 +146,15 @@ class BucketSet:
         """``double_buffered``: each bucket alternates between two buffers, one per iteration,
         so a launch may hand its buffer to an asynchronous job without copying it, as long as
         that job is finished before the iteration after next starts filling the buffer again
-        (a depth-1 pipeline waits for step t's job during step t + 1)."""
+        (a depth-1 pipeline waits for step t's job during step t + 1).
+
+        ``by_reference`` (an attribute, set per iteration before backward; default False): the
+        gradients of the parameters in ``referable`` (a set of indices; set by the algorithm)
+        are not copied into the buffer but kept where autograd left them, in each bucket's
+        ``sources``, when they are contiguous and of the bucket's dtype and device; the launch
+        callback hands them to a reducer that reads them there (``CompressedReducer.start``'s
+        ``sources``). Only for an algorithm that waits for every bucket before anything
+        touches the gradients again (a synchronous step)."""
         self.params = params
         self.launch_fn = launch
         self.buckets: list[Bucket] = []
@@ -162,6 +173,8 @@ class BucketSet:
                                        position={i: k for k, i in enumerate(group)}, spare=spare,
                                        shapes=[tuple(params[i].shape) for i in group]))
         self._next = 0
+        self.by_reference = False
+        self.referable: frozenset = frozenset()
         self.reset()
 
     def reset(self) -> None:
@@ -173,6 +186,7 @@ class BucketSet:
             b.launched = False
             b.complete = False
             b.handle = None
+            b.sources = [None] * len(b.param_indices)     # a new list: a job may hold the last one
             b.flags.zero_()
         self._next = 0
 
@@ -185,7 +199,13 @@ class BucketSet:
                 "expects one backward() per engine.step() (accumulate gradients in the loss instead)")
         k = b.position[index]
         views = b.views()
-        views.params[k].copy_(self.params[index].grad)
+        grad, place = self.params[index].grad, views.params[k]
+        if self.by_reference and index in self.referable and grad.layout == torch.strided \
+                and grad.is_contiguous() and grad.dtype == place.dtype and grad.device == place.device:
+            if grad.data_ptr() != place.data_ptr():     # (a .grad that is its view of the buffer is there)
+                b.sources[k] = grad
+        else:
+            place.copy_(grad)
         views.mark(k, 1)
         b.pending.discard(index)
         if overlap:
@@ -216,7 +236,8 @@ class BucketSet:
         self._next = len(self.buckets)
 
     def write_gradients(self, b: Bucket, reduced: Optional[torch.Tensor] = None,
-                        present: Optional[torch.Tensor] = None, as_views: bool = False) -> None:
+                        present: Optional[torch.Tensor] = None, as_views: bool = False,
+                        written: Optional[list] = None) -> None:
         """Write a bucket's reduced values (default: its own buffer) back into ``.grad``, in the
         parameter's dtype; parameters whose flag is zero on every rank (or whose ``present``
         entry is False, when given) get ``grad = None``.
@@ -229,6 +250,10 @@ class BucketSet:
         synchronous step): the next backward's copies overwrite these views, and a backward
         that accumulates into them (no ``zero_grad``) writes into the buffer, as it would into
         a separate ``.grad``.
+
+        ``written`` (per parameter, in bucket order, or None): the tensor the reduction wrote the
+        parameter's average into instead of ``reduced`` (a flat view of its ``.grad`` read where
+        it was, ``by_reference``; the handle's ``targets``), or None: nothing to copy there.
 
         Which parameters get a gradient is decided on the host. A bucket this rank launched
         complete needs no look: its averaged flags are all > 0. Otherwise the averaged flags
@@ -247,6 +272,10 @@ class BucketSet:
             p = self.params[i]
             if not flags[k]:
                 p.grad = None
+                continue
+            if written is not None and written[k] is not None:
+                if p.grad is None or p.grad.data_ptr() != written[k].data_ptr():   # (replaced since backward)
+                    p.grad = written[k].view(p.shape)
                 continue
             if views is not None and p.dtype == values.dtype:
                 p.grad = views[k]

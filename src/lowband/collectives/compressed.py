@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from ..compressors import Compressor, kernels
-from ..compressors.bucket import BucketCodec, ChunkedLayout, ExactSpans, Segments, _ChunkFormat, mean_rows, skip_ranges
+from ..compressors.bucket import (BucketCodec, ChunkedLayout, ExactSpans, Segments, Sources, Targets, _ChunkFormat,
+                                  mean_rows, skip_ranges, write_sources)
 from ..guard import all_finite
 from .communicator import Communicator
 
@@ -224,15 +225,28 @@ class Plan:
                        lambda: ExactSpans(lay.seg_off, lay.numel, fixed, lo, hi, flush))
 
     def encode(self, g: torch.Tensor, e_worker: Optional[torch.Tensor], out: torch.Tensor, lo: int, hi: int,
-               skipped: Optional[np.ndarray], check_finite: bool) -> Optional[np.ndarray]:
+               skipped: Optional[np.ndarray], check_finite: bool, sources: Optional[Sources] = None
+               ) -> Optional[np.ndarray]:
         """The worker encode of ``g`` into ``out`` skipping ``[lo, hi)`` and the ``skipped``
         segments; with ``check_finite``, this rank's non-finite segments of ``g`` (bool per
         segment; None: all finite). Where the encode proves every element finite
         (:meth:`BucketCodec.encode`) that is the whole test: the sum of the bucket it replaced
         was 0.15 ms of the pipeline's thread per cnn step. Anything else goes to the exact
-        test, :func:`nonfinite_segments`."""
-        proof = self.worker.encode(g, e_worker, out, self.worker_skip(lo, hi, skipped))
-        return None if not check_finite or proof else nonfinite_segments(g, self.layout)
+        test, :func:`nonfinite_segments`. ``sources``: :meth:`BucketCodec.encode`'s; the exact
+        test reads ``g``, so it first copies them there (or the encode does, off the native path)."""
+        if sources is not None and not self.worker.reads_sources(g, e_worker, out, sources):
+            write_sources(g, self.layout, sources)
+            sources = None
+        proof = self.worker.encode(g, e_worker, out, self.worker_skip(lo, hi, skipped), sources)
+        if not check_finite or proof:
+            return None
+        if sources is not None:
+            write_sources(g, self.layout, sources)
+        return nonfinite_segments(g, self.layout)
+
+    def _targets(self, targets: Optional[Sources]) -> Optional[Targets]:
+        """``run``'s ``targets`` for the decode into the bucket's coordinates."""
+        return None if targets is None else Targets(self.layout.seg_off, targets)
 
     @property
     def server_numel(self) -> int:
@@ -245,8 +259,8 @@ class Plan:
     def run(self, comm: Communicator, g: torch.Tensor, e_worker: Optional[torch.Tensor],
             e_server: Optional[torch.Tensor], flags: Optional[np.ndarray], lo: int = 0, hi: int = 0,
             exact: Optional[ExactSpans] = None, fixed: Optional[np.ndarray] = None,
-            check_finite: bool = False, out: Optional[torch.Tensor] = None,
-            ) -> tuple[torch.Tensor, np.ndarray, Optional[np.ndarray]]:
+            check_finite: bool = False, out: Optional[torch.Tensor] = None, sources: Optional[Sources] = None,
+            targets: Optional[Sources] = None) -> tuple[torch.Tensor, np.ndarray, Optional[np.ndarray]]:
         """One exchange of bucket ``g``: ``(decoded average, present per segment, non-finite
         segments per rank)``. ``[lo, hi)`` and the segments flagged in ``fixed`` are not coded
         (codes 0, residuals untouched): their values go exactly where ``exact`` says (its
@@ -255,7 +269,11 @@ class Plan:
         rank's ``g`` for NaN/Inf (:meth:`encode`) and mark its bad segments in its flag bytes;
         the last item is every rank's marks, ``[world, segments]`` bool, or None when no rank
         marked any. ``out``: where the average goes (fp32, ``g``'s size; it may be ``g``
-        itself: ``g`` is read only before the first decode); default a new tensor."""
+        itself: ``g`` is read only before the first decode); default a new tensor. ``sources``:
+        segments whose values are in tensors of their own, not in ``g`` (:meth:`encode`; the
+        segments ``exact`` reads must be in ``g``). ``targets`` (per segment, a contiguous fp32
+        tensor of its size or None): the average of those segments goes there instead of into
+        the output (their part of the output is left as it was; exact segments have none)."""
         raise NotImplementedError
 
 
@@ -279,19 +297,20 @@ class AllgatherPlan(Plan):
         return self.world <= 2
 
     def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False,
-            out=None):
+            out=None, sources=None, targets=None):
         lay, p, dev = self.layout, self.world, g.device
         R = 0 if exact is None else exact.count
         stride = lay.section + 4 * R
         send = self._buffer("send", stride, dev)
-        nonfinite = self.encode(g, e_worker, send, lo, hi, _skipped_segments(flags, fixed), check_finite)
+        nonfinite = self.encode(g, e_worker, send, lo, hi, _skipped_segments(flags, fixed), check_finite, sources)
         _write_flags(send[:lay.section], lay, flags, nonfinite)
         if R:
             exact.gather_into(g, e_worker, send[lay.section:].view(torch.float32))
         gathered = self._buffer("gathered", p * stride, dev)
         comm.all_gather(gathered, send)
         out = _output(out, self.numel, dev)
-        self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p), stride)
+        self.worker.decode(gathered, p, self.dec, self.dec_table, out, True, float(p), stride,
+                           self._targets(targets))
         if R:
             exact.scatter_mean(_raw_rows(gathered, p, stride, lay.section), p, out)
         present, bad = _read_flags(gathered, lay, stride)
@@ -359,14 +378,14 @@ class TwoStagePlan(Plan):
         return self._mine_index
 
     def run(self, comm, g, e_worker, e_server, flags, lo=0, hi=0, exact=None, fixed=None, check_finite=False,
-            out=None):
+            out=None, sources=None, targets=None):
         lay, slay, p, dev = self.layout, self.server_layout, self.world, g.device
         R = 0 if exact is None else exact.count
         rc = -(-R // p)                      # exact elements per owner (the last ones padded)
         # stage 1: chunk i of every segment (and of the exact values) to rank i
         stride1 = lay.section + 4 * rc
         codes = self._buffer("codes", p * lay.section, dev)
-        nonfinite = self.encode(g, e_worker, codes, lo, hi, _skipped_segments(flags, fixed), check_finite)
+        nonfinite = self.encode(g, e_worker, codes, lo, hi, _skipped_segments(flags, fixed), check_finite, sources)
         _write_flags(codes, lay, flags, nonfinite)
         send = codes
         if rc:
@@ -394,7 +413,7 @@ class TwoStagePlan(Plan):
         comm.all_gather(gathered, sbuf)
         out = _output(out, self.numel, dev)
         runs, table = self.dec2(stride2)
-        self.server.decode(gathered, 1, runs, table, out, False, 1.0, stride2)
+        self.server.decode(gathered, 1, runs, table, out, False, 1.0, stride2, self._targets(targets))
         if R:   # the owners' averages, in order: one row, no division
             exact.scatter_mean(_raw_rows(gathered, p, stride2, slay.section).reshape(1, -1)[:, :R], 1.0, out)
         return out, present, bad

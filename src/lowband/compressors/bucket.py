@@ -45,6 +45,8 @@ from .onebit import OneBitSign
 from .twobit import TwoBitQuantizer
 
 Segments = Sequence[tuple[str, int]]
+#: per segment, a tensor holding its input (its numel, any shape) or None: the input is in the bucket
+Sources = Sequence[Optional[torch.Tensor]]
 
 #: native kernel kinds (the ``kind`` argument of ``lb_decode``)
 KIND_TWOBIT, KIND_TWOBIT_REL, KIND_ONEBIT = 0, 1, 2
@@ -189,6 +191,43 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+class Targets:
+    """Where a decode writes the segments that have a tensor of their own (:meth:`BucketCodec.decode`'s
+    ``targets``): ``tensors`` (per segment, a contiguous tensor of its size, or None: in the
+    output), ``seg_off`` the segments' offsets in the output's coordinates (the bucket's)."""
+
+    def __init__(self, seg_off: np.ndarray, tensors: Sources) -> None:
+        self.seg_off, self.tensors = seg_off, tensors
+
+    def native(self) -> bool:
+        """Every tensor a contiguous fp32 CPU tensor (the native decoder can write into it)."""
+        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+                   for t in self.tensors)
+
+    def run_addresses(self, out: torch.Tensor, runs: "_Runs") -> np.ndarray:
+        """Per decode run, the address of its first output element."""
+        base = out.data_ptr()
+        seg = np.fromiter((base + 4 * int(o) if t is None else t.data_ptr() for o, t in zip(self.seg_off, self.tensors)),
+                          dtype=np.int64, count=len(self.tensors))
+        return np.ascontiguousarray(seg[runs.seg] + 4 * (runs.dst - self.seg_off[runs.seg]))
+
+    def copy_runs(self, out: torch.Tensor, runs: "_Runs") -> None:
+        """Copy the runs of segments with a tensor from ``out`` into it (decodes that wrote ``out``)."""
+        for s, dst, n in zip(runs.seg.tolist(), runs.dst.tolist(), runs.length.tolist()):
+            t = self.tensors[s]
+            if t is not None and n:
+                at = dst - int(self.seg_off[s])
+                t.view(-1)[at:at + n].copy_(out[dst:dst + n])
+
+
+def write_sources(g: torch.Tensor, layout: "ChunkedLayout", sources: Sources) -> None:
+    """Copy every segment's source tensor (:meth:`BucketCodec.encode`'s ``sources``) into its
+    place in the flat bucket ``g``."""
+    for o, n, t in zip(layout.seg_off.tolist(), layout.numel.tolist(), sources):
+        if t is not None:
+            g[o:o + n].copy_(t.reshape(-1))
+
+
 class BucketCodec:
     """A codec over one :class:`ChunkedLayout`: whole-bucket encode and decode calls.
 
@@ -221,6 +260,9 @@ class BucketCodec:
         self.enc = _Runs(lay.seg_off[seg] + idx * c, np.clip(lay.numel[seg] - idx * c, 0, c), c,
                          idx * lay.section + lay.pay_off[seg], seg, idx, lay.words[seg])
         self._enc_table = self.enc.encode_table()
+        # byte offset of each encode run's first element inside its segment (run addresses
+        # of inputs that live in their own tensors: :meth:`source_addresses`)
+        self._enc_within = 4 * (self.enc.src - lay.seg_off[seg])
 
     # -- helpers -----------------------------------------------------------------------
     def _lib(self, *tensors: torch.Tensor):
@@ -262,37 +304,69 @@ class BucketCodec:
         return self._lib(like) is not None
 
     # -- encode ------------------------------------------------------------------------
+    def reads_sources(self, g: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                      sources: Sources) -> bool:
+        """Whether :meth:`encode` reads ``sources`` where they are (the native kernels, with a
+        build that has the ``*_encode_at`` entry points), rather than copying them into ``g``
+        first: every source a contiguous fp32 CPU tensor of its segment's size."""
+        lib = self._lib(g, residual, out)
+        if lib is None or not lib.has_sources:
+            return False
+        numel = self.layout.numel
+        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                                 and t.numel() == numel[s]) for s, t in enumerate(sources))
+
+    def source_addresses(self, g: torch.Tensor, sources: Sources) -> np.ndarray:
+        """Per encode run, the address of its first input element: in its segment's source
+        tensor, or in ``g`` for a segment whose source is None."""
+        lay = self.layout
+        base = g.data_ptr()
+        seg = np.fromiter((base + 4 * int(o) if t is None else t.data_ptr() for o, t in zip(lay.seg_off, sources)),
+                          dtype=np.int64, count=lay.segments)
+        return np.ascontiguousarray(seg[self.enc.seg] + self._enc_within)
+
     def encode(self, g: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-               skip: Optional[np.ndarray] = None) -> Optional[bool]:
+               skip: Optional[np.ndarray] = None, sources: Optional[Sources] = None) -> Optional[bool]:
         """Encode the flat bucket ``g`` (with error feedback into ``residual`` when given) into
         the sections of ``out`` (uint8, ``chunks * section`` bytes; flags not written).
+
+        ``sources`` (one entry per segment): segments whose input is not in ``g`` but in a
+        tensor of their own (a gradient where autograd left it; None: in ``g``). The native
+        kernels read them there (:meth:`reads_sources`); any other path first copies them into
+        ``g`` (:func:`write_sources`). Same codes and residuals either way.
 
         Returns True when the encode proved every element of ``g`` finite, skipped ones
         included (the native scale-aware 2-bit and 1-bit kernels: finite scales prove the coded
         elements, the kernel tests the skipped ones); False when it could not (a NaN or Inf, or
         sums of huge finite values that overflowed: ask the exact test); None where no proof
         is made (MXNet's fixed threshold, the torch and Triton paths)."""
+        if sources is not None and not self.reads_sources(g, residual, out, sources):
+            write_sources(g, self.layout, sources)
+            sources = None
         lib = self._lib(g, residual, out)
         tri = None if lib is not None else self._triton(g, residual, out)
         if lib is not None:
-            return self._encode_native(lib, g, residual, out, skip)
+            return self._encode_native(lib, g, residual, out, skip, sources)
         if tri is not None:
             tri.encode(self, g, residual, out, skip)
         else:
             self._encode_torch(g, residual, out, skip)
         return None
 
-    def _encode_native(self, lib, g, residual, out, skip) -> Optional[bool]:
+    def _encode_native(self, lib, g, residual, out, skip, sources=None) -> Optional[bool]:
         table, n = self._enc_table, self.enc.count
         sk = None if skip is None else skip.ctypes.data
-        e = _ptr(residual)
+        args, suffix = (g.data_ptr(), _ptr(residual), table.ctypes.data, n), ""
+        if sources is not None:         # the *_at entry points: each run's input address
+            addr = self.source_addresses(g, sources)
+            args, suffix = (*args, addr.ctypes.data), "_at"
         if self.kind == KIND_TWOBIT:
-            lib.lb_twobit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.t, out.data_ptr())
+            getattr(lib, "lb_twobit_encode" + suffix)(*args, sk, self.t, out.data_ptr())
             return None
         if self.kind == KIND_TWOBIT_REL:
-            rc = lib.lb_twobit_rel_encode(g.data_ptr(), e, table.ctypes.data, n, sk, self.a, self.bs, out.data_ptr())
+            rc = getattr(lib, "lb_twobit_rel_encode" + suffix)(*args, sk, self.a, self.bs, out.data_ptr())
         else:
-            rc = lib.lb_onebit_encode(g.data_ptr(), e, table.ctypes.data, n, sk, out.data_ptr())
+            rc = getattr(lib, "lb_onebit_encode" + suffix)(*args, sk, out.data_ptr())
         if rc < 0:
             raise MemoryError("native codec kernel could not allocate its scratch")
         return rc == 0 if lib.proves_finite else None
@@ -338,23 +412,36 @@ class BucketCodec:
                      np.asarray(chunk_of, dtype=np.int64), lay.words[seg])
 
     def decode(self, src: torch.Tensor, sources: int, runs: _Runs, table: np.ndarray, out: torch.Tensor,
-               from_zero: bool, divisor: float, stride: Optional[int] = None) -> None:
+               from_zero: bool, divisor: float, stride: Optional[int] = None,
+               targets: Optional["Targets"] = None) -> None:
         """``out[dst : dst+len] = (0 +)? sum over the ``sources`` sections of each run's decoded
         chunk, / divisor``. ``src``: uint8 bytes; source ``q``'s section starts at byte
         ``q * stride`` (default one section: a message may carry more after each section, a
-        multiple of 4 bytes)."""
+        multiple of 4 bytes). ``targets``: the runs of segments that have a tensor of their own
+        there are written into it instead of ``out`` (the native decoder writes there
+        directly, any other path decodes into ``out`` and copies)."""
         stride = self.layout.section if stride is None else int(stride)
         if stride < self.layout.section or stride % 4:
             raise ValueError(f"decode stride {stride} must be a multiple of 4 and >= the section ({self.layout.section})")
         lib = self._lib(src, out)
         if lib is not None:
+            if targets is not None and lib.has_sources and targets.native():
+                addr = targets.run_addresses(out, runs)
+                lib.lb_decode_at(self.kind, src.data_ptr(), stride // 4, sources, table.ctypes.data, runs.count,
+                                 addr.ctypes.data, self.t, self.bs, int(from_zero), float(divisor), out.data_ptr())
+                return
             lib.lb_decode(self.kind, src.data_ptr(), stride // 4, sources, table.ctypes.data, runs.count,
                           self.t, self.bs, int(from_zero), float(divisor), out.data_ptr())
-            return
-        tri = self._triton(src, out)
-        if tri is not None:
-            tri.decode(self, src, sources, table, runs.count, out, from_zero, divisor, stride)
-            return
+        else:
+            tri = self._triton(src, out)
+            if tri is not None:
+                tri.decode(self, src, sources, table, runs.count, out, from_zero, divisor, stride)
+            else:
+                self._decode_torch(src, sources, runs, out, from_zero, divisor, stride)
+        if targets is not None:
+            targets.copy_runs(out, runs)
+
+    def _decode_torch(self, src, sources, runs, out, from_zero, divisor, stride) -> None:
         lay = self.layout
         for k in range(runs.count):
             s, c, n, dst = int(runs.seg[k]), int(runs.c[k]), int(runs.length[k]), int(runs.dst[k])

@@ -39,6 +39,12 @@ _OPTIONAL = {
     "lb_scatter_mean": (None, [_p, _i64, _i64, _p, _i64, _f32, _p]),
     "lb_write_flags": (None, [_p, _i64, _i64, _i64, _i64, _p]),
     "lb_read_flags": (_int, [_p, _i64, _i64, _i64, _i64, ctypes.c_uint8, ctypes.c_uint8, _p, _p]),
+    # the encoders with each run's input address (gradients encoded where autograd left them)
+    "lb_twobit_encode_at": (None, [_p, _p, _p, _i64, _p, _p, _f32, _p]),
+    "lb_twobit_rel_encode_at": (_int, [_p, _p, _p, _i64, _p, _p, _f32, _i64, _p]),
+    "lb_onebit_encode_at": (_int, [_p, _p, _p, _i64, _p, _p, _p]),
+    # the decoder with each run's output address (averages written into the gradients)
+    "lb_decode_at": (None, [_int, _p, _i64, _i64, _p, _i64, _p, _f32, _i64, _int, _f32, _p]),
 }
 
 
@@ -62,6 +68,8 @@ def open_library(path: str) -> ctypes.CDLL:
     lib.proves_finite = hasattr(lib, "lb_proves_finite")
     lib.has_spans = hasattr(lib, "lb_gather_spans") and hasattr(lib, "lb_scatter_mean")
     lib.has_flags = hasattr(lib, "lb_write_flags") and hasattr(lib, "lb_read_flags")
+    lib.has_sources = all(hasattr(lib, f"lb_{k}_encode_at") for k in ("twobit", "twobit_rel", "onebit")) and \
+        hasattr(lib, "lb_decode_at")
     return lib
 
 
@@ -108,8 +116,9 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def library_having(capability: str) -> Optional[ctypes.CDLL]:
-    """:func:`library` when its build has ``capability`` (``has_spans``, ``has_flags``: an
-    attribute :func:`open_library` sets), else None (the caller's numpy / torch path)."""
+    """:func:`library` when its build has ``capability`` (``has_spans``, ``has_flags``,
+    ``has_sources``: an attribute :func:`open_library` sets), else None (the caller's numpy /
+    torch path)."""
     lib = library()
     return lib if lib is not None and getattr(lib, capability, False) else None
 

@@ -640,14 +640,28 @@ static void twobit_run(const float *g, float *e, int64_t src, int64_t len, int64
     }
 }
 
-void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
-                      const int64_t *skip, float t, int32_t *dst) {
+/* Where run k reads its input and residual: g + src and e + src, unless `gaddr` (the *_at
+ * encoders) gives the address of the run's first input element (its gradient's own tensor, not
+ * the bucket: the caller skips the copy into the bucket). The residual always lives at e + src. */
+static inline const float *run_g(const float *g, const int64_t *gaddr, int64_t k, int64_t src) {
+    return gaddr ? (const float *)(intptr_t)gaddr[k] : g + src;
+}
+static inline float *run_e(float *e, int64_t src) { return e ? e + src : NULL; }
+
+void lb_twobit_encode_at(const float *g, float *e, const int64_t *runs, int64_t nruns, const int64_t *gaddr,
+                         const int64_t *skip, float t, int32_t *dst) {
     int vec = simd();
     for (int64_t k = 0; k < nruns; ++k) {
         const int64_t *r = runs + RUN_COLS * k;
         int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
-        twobit_run(g, e, r[RUN_SRC], r[RUN_LEN], r[RUN_C], lo, hi, t, (uint32_t *)(dst + r[RUN_WORD]), vec);
+        twobit_run(run_g(g, gaddr, k, r[RUN_SRC]), run_e(e, r[RUN_SRC]), 0, r[RUN_LEN], r[RUN_C], lo, hi, t,
+                   (uint32_t *)(dst + r[RUN_WORD]), vec);
     }
+}
+
+void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
+                      const int64_t *skip, float t, int32_t *dst) {
+    lb_twobit_encode_at(g, e, runs, nruns, NULL, skip, t, dst);
 }
 
 /* Calls of at most this many real elements take the two-block kernel for full blocks, larger
@@ -657,8 +671,8 @@ void lb_twobit_encode(const float *g, float *e, const int64_t *runs, int64_t nru
  * The paths give the same bits. */
 #define LB_PAIR_MAX_ELEMS (1 << 20)
 
-int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
-                         const int64_t *skip, float a, int64_t bs, int32_t *dst) {
+int lb_twobit_rel_encode_at(const float *g, float *e, const int64_t *runs, int64_t nruns, const int64_t *gaddr,
+                            const int64_t *skip, float a, int64_t bs, int32_t *dst) {
     int64_t maxL = 0, total = 0;
     for (int64_t k = 0; k < nruns; ++k) {
         int64_t c = runs[RUN_COLS * k + RUN_C];
@@ -674,7 +688,9 @@ int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t 
     for (int64_t k = 0; k < nruns; ++k) {
         const int64_t *r = runs + RUN_COLS * k;
         int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
-        int64_t c = r[RUN_C];
+        int64_t c = r[RUN_C], len = r[RUN_LEN];
+        const float *gk = run_g(g, gaddr, k, r[RUN_SRC]);
+        float *ek = run_e(e, r[RUN_SRC]);
         int64_t B = bs > 0 ? bs : (c > 0 ? c : 1);
         uint32_t *words = (uint32_t *)(dst + r[RUN_WORD]);
         float *scales = (float *)(dst + r[RUN_SCALE]);
@@ -682,24 +698,28 @@ int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t 
         for (int64_t b = 0, b0 = 0; b0 < c; ++b, b0 += B) {
             int64_t L = c - b0 < B ? c - b0 : B;
 #ifdef LB_HAVE_AVX512
-            if (pair && B == ROW && b0 + 2 * ROW <= r[RUN_LEN] && (hi <= b0 || lo >= b0 + 2 * ROW || hi <= lo)) {
-                int64_t at = r[RUN_SRC] + b0;
-                rel_block2_avx512(g + at, e ? e + at : NULL, a, words + b0 / 16, scales + b);
+            if (pair && B == ROW && b0 + 2 * ROW <= len && (hi <= b0 || lo >= b0 + 2 * ROW || hi <= lo)) {
+                rel_block2_avx512(gk + b0, ek ? ek + b0 : NULL, a, words + b0 / 16, scales + b);
                 b += 1, b0 += ROW;   /* the loop's step adds the second block */
                 continue;
             }
             if (L <= ROW && (b0 & 15) == 0 && vec) {
-                scales[b] = rel_block_avx512(g, e, r[RUN_SRC], r[RUN_LEN], lo, hi, b0, L, a, words);
+                scales[b] = rel_block_avx512(gk, ek, 0, len, lo, hi, b0, L, a, words);
                 continue;
             }
 #endif
-            scales[b] = rel_block(g, e, r[RUN_SRC], r[RUN_LEN], lo, hi, b0, L, a, words, scratch);
+            scales[b] = rel_block(gk, ek, 0, len, lo, hi, b0, L, a, words, scratch);
         }
         unproven |= any_nonfinite(scales, (c + B - 1) / B);
-        unproven |= skipped_nonfinite(g, r[RUN_SRC], r[RUN_LEN], lo, hi);
+        unproven |= skipped_nonfinite(gk, 0, len, lo, hi);
     }
     if (scratch != stack) free(scratch);
     return unproven;
+}
+
+int lb_twobit_rel_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
+                         const int64_t *skip, float a, int64_t bs, int32_t *dst) {
+    return lb_twobit_rel_encode_at(g, e, runs, nruns, NULL, skip, a, bs, dst);
 }
 
 /* ---------------------------------------------------------------- 1-bit with scale */
@@ -731,8 +751,8 @@ static inline void pack_bits8(const uint8_t *bits, int64_t m, uint8_t *out) {
     }
 }
 
-int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
-                     const int64_t *skip, int32_t *dst) {
+int lb_onebit_encode_at(const float *g_bucket, float *e_bucket, const int64_t *runs, int64_t nruns,
+                        const int64_t *gaddr, const int64_t *skip, int32_t *dst) {
     int64_t maxrows = 1;
     for (int64_t k = 0; k < nruns; ++k) {
         int64_t rows = (runs[RUN_COLS * k + RUN_C] + ROW - 1) / ROW;
@@ -745,7 +765,10 @@ int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nrun
     int unproven = 0;
     for (int64_t k = 0; k < nruns; ++k) {
         const int64_t *r = runs + RUN_COLS * k;
-        int64_t src = r[RUN_SRC], len = r[RUN_LEN], c = r[RUN_C];
+        /* the run's own input and residual, indexed from 0 */
+        const float *g = run_g(g_bucket, gaddr, k, r[RUN_SRC]);
+        float *e = run_e(e_bucket, r[RUN_SRC]);
+        int64_t src = 0, len = r[RUN_LEN], c = r[RUN_C];
         int64_t lo = skip ? skip[2 * k] : 0, hi = skip ? skip[2 * k + 1] : 0;
         uint8_t *words = (uint8_t *)(dst + r[RUN_WORD]);
         int simple = hi <= lo || hi <= 0 || lo >= len;
@@ -784,6 +807,11 @@ int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nrun
     }
     free(part);
     return unproven;
+}
+
+int lb_onebit_encode(const float *g, float *e, const int64_t *runs, int64_t nruns,
+                     const int64_t *skip, int32_t *dst) {
+    return lb_onebit_encode_at(g, e, runs, nruns, NULL, skip, dst);
 }
 
 /* ---------------------------------------------------------------- decode (+ accumulate) */
@@ -879,8 +907,11 @@ static inline void decode_into(int vec, int kind, const int32_t *sec, int64_t sw
     if (divisor != 1.0f) for (int64_t j = 0; j < m; ++j) a[j] = a[j] / divisor;
 }
 
-void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const int64_t *runs,
-               int64_t nruns, float t, int64_t bs, int from_zero, float divisor, float *out) {
+/* lb_decode, with run k's `len` elements written at address daddr[k] (when daddr is not NULL)
+ * instead of out + dst: a segment's average goes straight into its gradient's own tensor */
+void lb_decode_at(int kind, const int32_t *src, int64_t stride, int64_t K, const int64_t *runs,
+                  int64_t nruns, const int64_t *daddr, float t, int64_t bs, int from_zero, float divisor,
+                  float *out) {
     float vals[TILE];
     int vec = simd();
     init_lut();
@@ -890,7 +921,8 @@ void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const in
         int64_t B = bs > 0 ? bs : (c > 0 ? c : 1);
         for (int64_t j0 = 0; j0 < len; j0 += TILE) {
             int64_t m = len - j0 < TILE ? len - j0 : TILE;
-            float *a = out + dst + j0;   /* accumulated in place; the last source divides */
+            float *a = (daddr ? (float *)(intptr_t)daddr[k] : out + dst) + j0;   /* accumulated in place;
+                                                                                   the last source divides */
             for (int64_t q = 0; q < K; ++q) {
                 if (q == 0 && from_zero) for (int64_t j = 0; j < m; ++j) a[j] = 0.0f;
                 decode_into(vec, kind, src + q * stride, sword, sscale, j0, m, t, B, a, q > 0 || from_zero,
@@ -902,6 +934,11 @@ void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const in
             }
         }
     }
+}
+
+void lb_decode(int kind, const int32_t *src, int64_t stride, int64_t K, const int64_t *runs,
+               int64_t nruns, float t, int64_t bs, int from_zero, float divisor, float *out) {
+    lb_decode_at(kind, src, stride, K, runs, nruns, NULL, t, bs, from_zero, divisor, out);
 }
 
 /* Exact fp32 average of K rows: out[j] = (row_0[j] + row_1[j] + ... + row_{K-1}[j]) / divisor,

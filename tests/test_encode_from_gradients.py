@@ -1,0 +1,163 @@
+"""``compressed``'s ``encode_from_gradients`` (on by default): past the warm-up, the gradients of
+coded parameters are not copied into the bucket; the native encoder reads each one where
+autograd left it (``BucketSet.by_reference``, the reducer's ``sources``). The trajectory must be
+the one of copied gradients, bit for bit, whatever the bucket layout, the codec, the collective,
+how the loop zeroes gradients and whether they are views of the bucket; a NaN in such a gradient
+is still caught and named; and the path must really be taken (counted)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowband
+from lowband import tasks
+from lowband.compressors import kernels
+
+from .distributed import run_distributed
+from .training import PartlyUsed, SmallNet, batches, make_optimizer
+
+
+class WithUnused(SmallNet):
+    """SmallNet with a layer no rank ever uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(3, 3)
+
+
+class Transposed(SmallNet):
+    """SmallNet whose last weight is stored column-major, so autograd makes its gradient so too
+    (torch's layout contract): not contiguous, so it is copied into the bucket while the other
+    coded gradients are read where they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc2.weight.data = self.fc2.weight.data.t().contiguous().t()
+
+
+STEPS = 12                       # well past the warm-up of 3
+WARMUP = 3
+#: (model, knobs): bucket layouts, codecs and collectives
+CASES = {
+    "one bucket": (SmallNet, {}),
+    "several buckets": (SmallNet, {"bucket_mb": 0.01}),
+    "partly used": (PartlyUsed, {}),
+    "unused layer": (WithUnused, {}),
+    "transposed": (Transposed, {}),
+    "vectors coded": (SmallNet, {"compress_vectors": True}),
+    "1bit two-stage": (SmallNet, {"compressor": "1bit", "collective": "two-stage", "bucket_mb": 0.01}),
+    "mxnet 2bit": (SmallNet, {"compressor": "2bit", "compressor_options": {"threshold": 0.01}}),
+    "views": (SmallNet, {"gradient_as_bucket_view": True}),
+    "views, several": (SmallNet, {"gradient_as_bucket_view": True, "bucket_mb": 0.01}),
+}
+ZEROING = ("none", "zeros", "never")
+
+
+def _train(rank: int, world: int, net, options: dict, zeroing: str, by_reference: bool):
+    torch.manual_seed(0)
+    model = net(rank) if net is PartlyUsed else net()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, "compressed", warmup_steps=WARMUP, encode_from_gradients=by_reference,
+                                **options)
+    reducer = engine.bound.reducer
+    start, read = reducer.start, []
+
+    def counting_start(*args, sources=None, **kw):
+        read.append(0 if sources is None else sum(s is not None for s in sources))
+        return start(*args, sources=sources, **kw)
+
+    reducer.start = counting_start
+    it = batches(rank, world).epoch(0)
+    per_step = []
+    for _ in range(STEPS):
+        x, y = next(it)
+        if zeroing != "never":
+            opt.zero_grad(set_to_none=zeroing == "none")
+        tasks.loss(engine.module(x), y).backward()
+        engine.step()
+        per_step.append(sum(read))
+        read.clear()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    engine.close()
+    return params, grads, per_step
+
+
+def _all(rank: int, world: int):
+    out = {}
+    for case, (net, options) in CASES.items():
+        for zeroing in ZEROING:
+            for by_reference in (True, False):
+                out[case, zeroing, by_reference] = _train(rank, world, net, options, zeroing, by_reference)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    if kernels.library_having("has_sources") is None:
+        pytest.fail(f"native kernels without the *_encode_at entry points: {kernels.unavailable_reason()}")
+    return run_distributed(_all, 2)
+
+
+@pytest.mark.parametrize("zeroing", ZEROING)
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_encoded_where_they_are_train_to_the_same_bits_as_copies(runs, case, zeroing):
+    for rank, out in enumerate(runs):
+        params, grads, read = out[case, zeroing, True]
+        ref_params, ref_grads, ref_read = out[case, zeroing, False]
+        for name in ref_params:
+            assert torch.equal(params[name], ref_params[name]), (rank, name)
+            assert (grads[name] is None) == (ref_grads[name] is None), (rank, name)
+            if grads[name] is not None:
+                assert torch.equal(grads[name], ref_grads[name]), (rank, name)
+        # read where they are in every compressed step (not in the warm-up, never when off);
+        # their average is written back there, so they never become views of the bucket
+        assert read[:WARMUP] == [0] * WARMUP and ref_read == [0] * STEPS, (read, ref_read)
+        assert all(r > 0 for r in read[WARMUP:]), read
+
+
+def test_only_the_contiguous_coded_gradients_are_read_where_they_are(runs):
+    """SmallNet has two coded matrices and a conv kernel, and 1-D biases that travel exact (copied)."""
+    read = runs[0]["one bucket", "none", True][2]
+    assert read[WARMUP:] == [3] * (STEPS - WARMUP)
+    read = runs[0]["transposed", "none", True][2]
+    assert read[WARMUP:] == [2] * (STEPS - WARMUP)
+    read = runs[0]["vectors coded", "none", True][2]
+    assert read[WARMUP:] == [6] * (STEPS - WARMUP)
+
+
+BAD_STEP = 6
+
+
+def _nan_run(rank: int, world: int, collective: str):
+    """Rank 1's loss gets a NaN through the first linear layer's weight (a coded matrix, read
+    where it is) at BAD_STEP, past the warm-up of 2; the engine's policy "raise" must name it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    engine = lowband.distribute(model, opt, lowband.CompressedSGD(warmup_steps=2, collective=collective),
+                                nonfinite="raise")
+    it = batches(rank, world).epoch(0)
+    for step in range(1, BAD_STEP + 1):
+        x, y = next(it)
+        opt.zero_grad()
+        loss = F.cross_entropy(engine.module(x), y)
+        if step == BAD_STEP and rank == 1:
+            loss = loss + float("nan") * model[1].weight.sum()
+        loss.backward()
+        assert engine.bound.buckets.by_reference == (step > 2)
+        try:
+            engine.step()
+        except lowband.NonFiniteGradientError as e:
+            engine.close()
+            return e.step, e.bad
+    engine.close()
+    return None
+
+
+@pytest.mark.parametrize("collective", ["allgather", "two-stage"])
+def test_a_nan_in_a_gradient_read_where_it_is_is_caught_and_named(collective):
+    for result in run_distributed(_nan_run, 2, collective):
+        assert result == (BAD_STEP, {1: "1.weight"}), result
