@@ -429,13 +429,18 @@ def test_in_place_average_writes_the_same_bits_into_the_input(world, mode, kind)
         assert refused == [True, True]      # a copied or non-fp32 input cannot take the average
 
 
+def _codec_keys(results: list[dict], check: str, kind: str) -> list[tuple]:
+    """The result keys of one per-codec ``check`` of collective ``kind``: one per codec."""
+    keys = [k for k in results[0] if isinstance(k, tuple) and k[:2] == (check, kind)]
+    assert len(keys) == len(CODECS)
+    return keys
+
+
 @pytest.mark.parametrize("world, mode", WORLDS)
 @pytest.mark.parametrize("kind", ["allgather", "two-stage"])
 def test_segments_read_where_they_are_and_averaged_back_there_equal_the_flat_bucket(world, mode, kind):
     results = _results(world, mode)
-    keys = [k for k in results[0] if isinstance(k, tuple) and k[:2] == ("sources", kind)]
-    assert len(keys) == len(CODECS)
-    for k in keys:
+    for k in _codec_keys(results, "sources", kind):
         for checks, same_residuals in (r[k] for r in results):
             assert all(all(c) for c in checks), (k, checks)
             assert same_residuals, k
@@ -453,9 +458,7 @@ def test_two_stage_bytes_per_rank_at_4_workers(codec, options, bound):
 @pytest.mark.parametrize("kind", ["allgather", "two-stage"])
 def test_nonfinite_marks_equal_the_per_segment_reference(world, mode, kind):
     results = _results(world, mode)
-    keys = [k for k in results[0] if isinstance(k, tuple) and k[:2] == ("nonfinite", kind)]
-    assert len(keys) == len(CODECS)
-    for k in keys:
+    for k in _codec_keys(results, "nonfinite", kind):
         proved = mode == "auto" and "threshold" not in k[3]     # native kernels, a codec with scales
         for rank, (got, want, exact_tests) in enumerate(r[k] for r in results):
             assert got == want, k

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband import tasks
 from lowband.compressors import kernels
 
 from .distributed import run_distributed
-from .training import PartlyUsed, SmallNet, batches, make_optimizer
+from .training import (ZEROING, PartlyUsed, SmallNet, assert_same_params_and_grads, batches, make_optimizer,
+                       poisoned_steps, zeroing_steps)
 
 
 class WithUnused(SmallNet):
@@ -52,7 +51,6 @@ CASES = {
     "views": (SmallNet, {"gradient_as_bucket_view": True}),
     "views, several": (SmallNet, {"gradient_as_bucket_view": True, "bucket_mb": 0.01}),
 }
-ZEROING = ("none", "zeros", "never")
 
 
 def _train(rank: int, world: int, net, options: dict, zeroing: str, by_reference: bool):
@@ -69,18 +67,13 @@ def _train(rank: int, world: int, net, options: dict, zeroing: str, by_reference
         return start(*args, sources=sources, **kw)
 
     reducer.start = counting_start
-    it = batches(rank, world).epoch(0)
     per_step = []
-    for _ in range(STEPS):
-        x, y = next(it)
-        if zeroing != "never":
-            opt.zero_grad(set_to_none=zeroing == "none")
-        tasks.loss(engine.module(x), y).backward()
-        engine.step()
+
+    def count():
         per_step.append(sum(read))
         read.clear()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+    params, grads = zeroing_steps(engine, model, opt, batches(rank, world).epoch(0), STEPS, zeroing, count)
     engine.close()
     return params, grads, per_step
 
@@ -107,11 +100,7 @@ def test_gradients_encoded_where_they_are_train_to_the_same_bits_as_copies(runs,
     for rank, out in enumerate(runs):
         params, grads, read = out[case, zeroing, True]
         ref_params, ref_grads, ref_read = out[case, zeroing, False]
-        for name in ref_params:
-            assert torch.equal(params[name], ref_params[name]), (rank, name)
-            assert (grads[name] is None) == (ref_grads[name] is None), (rank, name)
-            if grads[name] is not None:
-                assert torch.equal(grads[name], ref_grads[name]), (rank, name)
+        assert_same_params_and_grads((params, grads), (ref_params, ref_grads), rank)
         # read where they are in every compressed step (not in the warm-up, never when off);
         # their average is written back there, so they never become views of the bucket
         assert read[:WARMUP] == [0] * WARMUP and ref_read == [0] * STEPS, (read, ref_read)
@@ -139,25 +128,19 @@ def _nan_run(rank: int, world: int, collective: str):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     engine = lowband.distribute(model, opt, lowband.CompressedSGD(warmup_steps=2, collective=collective),
                                 nonfinite="raise")
-    it = batches(rank, world).epoch(0)
-    for step in range(1, BAD_STEP + 1):
-        x, y = next(it)
-        opt.zero_grad()
-        loss = F.cross_entropy(engine.module(x), y)
-        if step == BAD_STEP and rank == 1:
-            loss = loss + float("nan") * model[1].weight.sum()
-        loss.backward()
-        assert engine.bound.buckets.by_reference == (step > 2)
-        try:
-            engine.step()
-        except lowband.NonFiniteGradientError as e:
-            engine.close()
-            return e.step, e.bad
-    engine.close()
+    by_reference = []        # for the next step, after each step
+    try:
+        poisoned_steps(engine, opt, batches(rank, world).epoch(0), BAD_STEP, BAD_STEP if rank == 1 else 0,
+                       lambda: float("nan") * model[1].weight.sum(),
+                       lambda: by_reference.append(engine.bound.buckets.by_reference))
+    except lowband.NonFiniteGradientError as e:
+        return e.step, e.bad, by_reference
+    finally:
+        engine.close()
     return None
 
 
 @pytest.mark.parametrize("collective", ["allgather", "two-stage"])
 def test_a_nan_in_a_gradient_read_where_it_is_is_caught_and_named(collective):
     for result in run_distributed(_nan_run, 2, collective):
-        assert result == (BAD_STEP, {1: "1.weight"}), result
+        assert result == (BAD_STEP, {1: "1.weight"}, [False, True, True, True, True]), result

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import lowband
-from lowband import tasks
 
 from .distributed import run_distributed
-from .training import PartlyUsed, SmallNet, batches, make_optimizer
+from .training import ZEROING, PartlyUsed, SmallNet, assert_same_params_and_grads, batches, make_optimizer, zeroing_steps
 
 
 class WithUnused(SmallNet):
@@ -30,7 +29,6 @@ ALGORITHMS = ("compressed", "ssgd")
 #: compressed's coded gradients become views only where they are copied into the bucket (with
 #: encode_from_gradients they stay their own tensors: tests/test_encode_from_gradients.py)
 WARMUP = {"compressed": {"warmup_steps": 3, "encode_from_gradients": False}}
-ZEROING = ("none", "zeros", "never")
 LAYOUTS = {"one": (SmallNet, {}), "several": (SmallNet, {"bucket_mb": 0.01}), "partly used": (PartlyUsed, {}),
            "unused": (WithUnused, {})}
 
@@ -41,20 +39,15 @@ def _train(rank: int, world: int, algorithm: str, net, options: dict, zeroing: s
     opt = make_optimizer("sgd", model)
     options = {**options, **WARMUP.get(algorithm, {}), "gradient_as_bucket_view": views}
     engine = lowband.distribute(model, opt, algorithm, **options)
-    it = batches(rank, world).epoch(0)
     aliased = []
-    for step in range(STEPS):
-        x, y = next(it)
-        if zeroing != "never":
-            opt.zero_grad(set_to_none=zeroing == "none")
-        tasks.loss(engine.module(x), y).backward()
-        engine.step()
+
+    def record_aliasing():
         buffers = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.numel() * 4)
                    for b in engine.bound.buckets.buckets]
         aliased.append([p.grad is not None and any(lo <= p.grad.data_ptr() < hi for lo, hi in buffers)
                         for p in model.parameters()])
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+    params, grads = zeroing_steps(engine, model, opt, batches(rank, world).epoch(0), STEPS, zeroing, record_aliasing)
     engine.close()
     return params, grads, aliased
 
@@ -82,11 +75,7 @@ def test_gradients_as_bucket_views_train_to_the_same_bits_as_copies(runs, algori
     for rank, out in enumerate(runs):
         params, grads, aliased = out[algorithm, layout, zeroing, True]
         ref_params, ref_grads, ref_aliased = out[algorithm, layout, zeroing, False]
-        for name in ref_params:
-            assert torch.equal(params[name], ref_params[name]), (rank, name)
-            assert (grads[name] is None) == (ref_grads[name] is None), (rank, name)
-            if grads[name] is not None:
-                assert torch.equal(grads[name], ref_grads[name]), (rank, name)
+        assert_same_params_and_grads((params, grads), (ref_params, ref_grads), rank)
         # compressed's warm-up average is a buffer of its own (copied); the other steps alias
         warmup = WARMUP.get(algorithm, {}).get("warmup_steps", 0)
         assert not any(any(a) for a in aliased[:warmup]) and not any(any(a) for a in ref_aliased)

@@ -102,6 +102,37 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+#: how a loop treats gradients between steps: set them to None, zero them in place, or never
+#: zero them (each backward accumulates into what the last step left)
+ZEROING = ("none", "zeros", "never")
+
+
+def zeroing_steps(engine: "lowband.Engine", model: nn.Module, optimizer, it, steps: int, zeroing: str,
+                  after: Callable[[], None] = lambda: None) -> tuple[dict, dict]:
+    """``steps`` iterations of training through ``engine`` (batches from ``it``), zeroing the
+    gradients as ``zeroing`` says (:data:`ZEROING`); ``after()`` runs after every
+    ``engine.step()``. Returns ``model``'s parameters and last gradients (None where a
+    parameter has none)."""
+    for _ in range(steps):
+        x, y = next(it)
+        if zeroing != "never":
+            optimizer.zero_grad(set_to_none=zeroing == "none")
+        tasks.loss(engine.module(x), y).backward()
+        engine.step()
+        after()
+    return params_of(model), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_params_and_grads(got: tuple[dict, dict], want: tuple[dict, dict], rank: int) -> None:
+    """:func:`zeroing_steps`' results equal bit for bit (a gradient None in both or in neither)."""
+    (params, grads), (ref_params, ref_grads) = got, want
+    for name in ref_params:
+        assert torch.equal(params[name], ref_params[name]), (rank, name)
+        assert (grads[name] is None) == (ref_grads[name] is None), (rank, name)
+        if grads[name] is not None:
+            assert torch.equal(grads[name], ref_grads[name]), (rank, name)
+
+
 def run_algorithm(rank: int, world: int, algorithm: str, options: dict[str, Any], steps: int,
                   kind: str = "sgd", bn: bool = False) -> tuple[dict[str, torch.Tensor], "lowband.Engine"]:
     """Train a seeded SmallNet with a lowband algorithm on this rank; synchronize at the end."""
