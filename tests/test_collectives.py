@@ -323,11 +323,19 @@ def _sources(rank: int, world: int, kind: str, codec_name: str, options: dict):
                            torch.equal(h.present, want.present),
                            _same_marks(getattr(h, "nonfinite", None), getattr(want, "nonfinite", None))))
     states = [r.state_dict()["worker"] for r in (flat, by_ref, by_ref_in_place)]
+    refused = []
+    whole = [None] * len(EXACT_SEGMENTS)
+    for bad in (dict(copy=True, sources=whole), dict(copy=False, sources=whole[1:]),
+                dict(copy=False, sources=[torch.zeros(299)] + whole[1:])):
+        try:
+            by_ref.start(torch.zeros(n), "b", EXACT_SEGMENTS, **bad)
+        except ValueError as e:
+            refused.append(str(e).split(" ")[0])
     for r in (flat, by_ref, by_ref_in_place):
         r.close()
     same_residuals = all(sorted(s) == sorted(states[0]) and all(_same_values(s[k], states[0][k]) for k in s)
                          for s in states[1:])
-    return checks, same_residuals
+    return checks, same_residuals, refused
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -441,9 +449,11 @@ def _codec_keys(results: list[dict], check: str, kind: str) -> list[tuple]:
 def test_segments_read_where_they_are_and_averaged_back_there_equal_the_flat_bucket(world, mode, kind):
     results = _results(world, mode)
     for k in _codec_keys(results, "sources", kind):
-        for checks, same_residuals in (r[k] for r in results):
+        for checks, same_residuals, refused in (r[k] for r in results):
             assert all(all(c) for c in checks), (k, checks)
             assert same_residuals, k
+            # a copied input, a source list of the wrong length, a source of the wrong size
+            assert refused == ["sources", "sources", "source"], refused
 
 
 @pytest.mark.parametrize("codec, options, bound", BYTES_CASES)
