@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 from . import __version__
 from .algorithms import ALGORITHMS, make_algorithm
+from .bench import BENCH_ORDERS, round_order
 from .checkpoint import CheckpointError, check_resumable, read_manifest, verify
 from .cpus import CPU_BINDINGS
 from .memory import MALLOC_MODES
@@ -252,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the run with the median step time, and per round its ratio to the same round's noop "
                         "with the median of those ratios (this machine's step times drift by 10-20%% "
                         "between runs minutes apart; interleaved repeats cancel the drift; default: %(default)s)")
+    b.add_argument("--order", choices=BENCH_ORDERS, default="fixed",
+                   help="with --repeat, the algorithms' order in each round: 'fixed' (as listed) or 'rotate' "
+                        "(round r starts at the r-th algorithm, so each takes every position once in as many "
+                        "rounds as there are algorithms; default: %(default)s)")
     add_run_arguments(b)
     b.set_defaults(max_steps=100)
 
@@ -411,9 +416,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     links = parse_bandwidths(args.bandwidth, fallback=args.fallback_loopback, workers=workers)
     configs = []
-    for label, rate in links:
-        for w in workers:
-            for spec in algorithms:
+    for li, (label, rate) in enumerate(links):
+        for wi, w in enumerate(workers):
+            for ai, spec in enumerate(algorithms):
                 name, *own = spec.split(":")     # per-algorithm options: cpsgd:warmup_steps=20
                 reason = unavailable(name)
                 if reason:
@@ -427,8 +432,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     if own:
                         cfg.algorithm_options.update(dict(_parse_option(o) for o in own))
                         check_config(cfg)
-                    configs.append((r, label, rate, cfg, spec))
-    configs.sort(key=lambda c: c[0])      # round-robin: every configuration once per round
+                    configs.append((r, label, rate, cfg, spec, (li, wi, ai)))
+    # round-robin, every configuration once per round; within a round each link and worker
+    # count in turn, their algorithms in the round's --order
+    orders = {r: {a: k for k, a in enumerate(round_order(len(algorithms), r, args.order))} for r in range(args.repeat)}
+    configs.sort(key=lambda c: (c[0], c[5][0], c[5][1], orders[c[0]][c[5][2]]))
     os.makedirs(args.out, exist_ok=True)
     rows = []
     command = "lowband " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowband") else \
@@ -437,7 +445,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                "link": "tc tbf on both ends of each worker's veth" if any(r for _, r in links) else "loopback",
                "rows": rows}
     failed: list[tuple[str, int]] = []     # (what, exit status): a failed run does not stop the others
-    for i, (r, label, rate, cfg, spec) in enumerate(configs, 1):
+    for i, (r, label, rate, cfg, spec, _) in enumerate(configs, 1):
         what = f"{spec} x{cfg.workers} over {label}" + (f" (round {r + 1})" if args.repeat > 1 else "")
         print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label} on {cfg.device}"
               + (f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
