@@ -330,7 +330,7 @@ def _sources_for_job(flat: torch.Tensor, segs: list[tuple[str, int]], sources: S
     segment's size) or None. The sources of ``fixed`` segments, and all of them when an exact
     range is sent (it may cross any segment), are copied into ``flat``: the exact values are
     read from there; so are sources that are not contiguous (no flat view of them). None when
-    nothing is left outside ``flat``.""" 
+    nothing is left outside ``flat``."""
     if len(sources) != len(segs):
         raise ValueError(f"sources has {len(sources)} entries for {len(segs)} segments")
     out, offset, outside = [], 0, False

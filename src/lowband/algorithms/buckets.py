@@ -202,8 +202,7 @@ class BucketSet:
         grad, place = self.params[index].grad, views.params[k]
         if self.by_reference and index in self.referable and grad.layout == torch.strided \
                 and grad.is_contiguous() and grad.dtype == place.dtype and grad.device == place.device:
-            if grad.data_ptr() != place.data_ptr():     # (a .grad that is its view of the buffer is there)
-                b.sources[k] = grad
+            b.sources[k] = grad
         else:
             place.copy_(grad)
         views.mark(k, 1)
@@ -245,9 +244,9 @@ class BucketSet:
         ``as_views``: where the values are the bucket's own buffer (the reduction wrote into
         it) and the parameter has its dtype, ``.grad`` becomes the parameter's view of the
         buffer instead of a copy (DDP's ``gradient_as_bucket_view``): one pass over the
-        gradients less per step (and an allocation, where ``.grad`` was None). Only for an algorithm that leaves the buffer
-        alone from here until the next backward has produced every gradient of the bucket (a
-        synchronous step): the next backward's copies overwrite these views, and a backward
+        gradients less per step (and an allocation, where ``.grad`` was None). Only for an
+        algorithm that leaves the buffer alone from here until the next backward has produced
+        every gradient of the bucket (a synchronous step): the next backward's copies overwrite these views, and a backward
         that accumulates into them (no ``zero_grad``) writes into the buffer, as it would into
         a separate ``.grad``.
 

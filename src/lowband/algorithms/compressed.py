@@ -146,9 +146,11 @@ class BoundCompressedSGD(BoundAlgorithm):
         # it) unless some bucket goes whole in fp32
         self.checks_finite = ctx.decide_finiteness is not None and \
             not any(ex is not None and all(ex) for ex in self.exact_segments)
-        self._device = ctx.params[0].device if ctx.params else torch.device("cpu")
         # coded fp32 parameters: their gradients may be encoded where they are and get their
-        # average written back there (encode_from_gradients)
+        # average written back there (encode_from_gradients), where the reducer's encoder reads
+        # them there (decided once: off that path a job copies them in, correct but no gain)
+        device = ctx.params[0].device if ctx.params else torch.device("cpu")
+        self.encodes_from_gradients = cfg.encode_from_gradients and self.reducer.reads_sources(device)
         self.buckets.referable = frozenset(
             i for b, ex in zip(self.buckets.buckets, self.exact_segments)
             for k, i in enumerate(b.param_indices) if (ex is None or not ex[k]) and ctx.params[i].dtype == torch.float32)
@@ -156,9 +158,8 @@ class BoundCompressedSGD(BoundAlgorithm):
 
     def _prepare_step(self) -> None:
         """Before the next backward: whether its compressed buckets encode the gradients where
-        they are (not in a warm-up step, and only where the reducer's encoder reads them there)."""
-        self.buckets.by_reference = self.cfg.encode_from_gradients and not self.warmup.active(self.steps_done) \
-            and self.reducer.reads_sources(self._device)
+        they are (not in a warm-up step)."""
+        self.buckets.by_reference = self.encodes_from_gradients and not self.warmup.active(self.steps_done)
 
     def carries_finiteness(self) -> bool:
         """Compressed steps mark each parameter's NaN/Inf in their buckets' flag bytes, which
@@ -173,12 +174,11 @@ class BoundCompressedSGD(BoundAlgorithm):
         inline = self.cfg.inline_last_bucket and b.index == len(self.buckets.buckets) - 1
         if self.warmup.active(self.steps_done) or (exact is not None and all(exact)):
             return self.reducer.start_full_precision(b.grads, key, segments, present=b.flags > 0, inline=inline)
-        # no copy: step() waits for every bucket before the next backward refills it; with
-        # gradient_as_bucket_view the average comes back in the bucket, whose views become
-        # the gradients (fp32 buckets)
+        # no copy: step() waits for every bucket before the next backward refills it. The
+        # average is decoded into the gradients read where they are (sources) and, with
+        # gradient_as_bucket_view, into the bucket for the rest, whose views become the
+        # gradients (fp32 buckets)
         sources = b.sources if self.buckets.by_reference else None
-        # the average is decoded into the gradients read where they are (sources), and with
-        # gradient_as_bucket_view into the bucket for the rest
         in_place = (self.cfg.gradient_as_bucket_view or sources is not None) and b.grads.dtype == torch.float32
         return self.reducer.start(b.grads, key, segments, present=b.present(), exact_segments=exact, copy=False,
                                   check_finite=self.checks_finite, inline=inline, in_place=in_place,

@@ -37,7 +37,7 @@ import torch
 
 from ..compressors import Compressor, kernels
 from ..compressors.bucket import (BucketCodec, ChunkedLayout, ExactSpans, Segments, Sources, Targets, _ChunkFormat,
-                                  mean_rows, skip_ranges, write_sources)
+                                  mean_rows, skip_ranges)
 from ..guard import all_finite
 from .communicator import Communicator
 
@@ -151,16 +151,22 @@ def _read_flags(buf: torch.Tensor, layout: ChunkedLayout, stride: int) -> tuple[
     return flags.max(0) > 0, (bad if bad.any() else None)
 
 
-def nonfinite_segments(g: torch.Tensor, layout: ChunkedLayout) -> Optional[np.ndarray]:
+def nonfinite_segments(g: torch.Tensor, layout: ChunkedLayout, sources: Optional[Sources] = None
+                       ) -> Optional[np.ndarray]:
     """Bool per segment of flat ``g``: it holds a NaN or Inf; None when all are finite (one
     sum of the whole bucket proves it; only a non-finite sum pays for the per-segment test).
-    On CUDA the test is read back on the pipeline's thread (the marks are host bytes of the
-    message), which stalls that thread until the bucket's gradient is computed, not the
-    compute stream."""
-    if bool(all_finite(g)):
-        return None
-    return np.array([not bool(all_finite(g[o:o + n])) for o, n in zip(layout.seg_off.tolist(), layout.numel.tolist())],
-                    dtype=bool)
+    ``sources``: segments whose values are in tensors of their own (:meth:`BucketCodec.encode`'s),
+    tested there, one test per segment. On CUDA the test is read back on the pipeline's thread
+    (the marks are host bytes of the message), which stalls that thread until the bucket's
+    gradient is computed, not the compute stream."""
+    spans = zip(layout.seg_off.tolist(), layout.numel.tolist())
+    if sources is None:
+        if bool(all_finite(g)):
+            return None
+        return np.array([not bool(all_finite(g[o:o + n])) for o, n in spans], dtype=bool)
+    bad = np.array([not bool(all_finite(g[o:o + n] if t is None else t)) for (o, n), t in zip(spans, sources)],
+                   dtype=bool)
+    return bad if bad.any() else None
 
 
 def _skipped_segments(flags: Optional[np.ndarray], fixed: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -232,17 +238,10 @@ class Plan:
         segment; None: all finite). Where the encode proves every element finite
         (:meth:`BucketCodec.encode`) that is the whole test: the sum of the bucket it replaced
         was 0.15 ms of the pipeline's thread per cnn step. Anything else goes to the exact
-        test, :func:`nonfinite_segments`. ``sources``: :meth:`BucketCodec.encode`'s; the exact
-        test reads ``g``, so it first copies them there (or the encode does, off the native path)."""
-        if sources is not None and not self.worker.reads_sources(g, e_worker, out, sources):
-            write_sources(g, self.layout, sources)
-            sources = None
+        test, :func:`nonfinite_segments`. ``sources``: :meth:`BucketCodec.encode`'s, tested
+        where they are."""
         proof = self.worker.encode(g, e_worker, out, self.worker_skip(lo, hi, skipped), sources)
-        if not check_finite or proof:
-            return None
-        if sources is not None:
-            write_sources(g, self.layout, sources)
-        return nonfinite_segments(g, self.layout)
+        return None if not check_finite or proof else nonfinite_segments(g, self.layout, sources)
 
     def _targets(self, targets: Optional[Sources]) -> Optional[Targets]:
         """``run``'s ``targets`` for the decode into the bucket's coordinates."""

@@ -191,6 +191,19 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _native_fp32(t: torch.Tensor) -> bool:
+    """A tensor the native kernels can read or write in place: contiguous fp32 on the CPU."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _segment_addresses(base: torch.Tensor, seg_off: np.ndarray, tensors: Sources) -> np.ndarray:
+    """Per segment, the address of its first element: in its own tensor, or at its offset in
+    the flat ``base`` where it has none."""
+    start = base.data_ptr()
+    return np.fromiter((start + 4 * int(o) if t is None else t.data_ptr() for o, t in zip(seg_off, tensors)),
+                       dtype=np.int64, count=len(tensors))
+
+
 class Targets:
     """Where a decode writes the segments that have a tensor of their own (:meth:`BucketCodec.decode`'s
     ``targets``): ``tensors`` (per segment, a contiguous tensor of its size, or None: in the
@@ -201,14 +214,11 @@ class Targets:
 
     def native(self) -> bool:
         """Every tensor a contiguous fp32 CPU tensor (the native decoder can write into it)."""
-        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
-                   for t in self.tensors)
+        return all(t is None or _native_fp32(t) for t in self.tensors)
 
     def run_addresses(self, out: torch.Tensor, runs: "_Runs") -> np.ndarray:
         """Per decode run, the address of its first output element."""
-        base = out.data_ptr()
-        seg = np.fromiter((base + 4 * int(o) if t is None else t.data_ptr() for o, t in zip(self.seg_off, self.tensors)),
-                          dtype=np.int64, count=len(self.tensors))
+        seg = _segment_addresses(out, self.seg_off, self.tensors)
         return np.ascontiguousarray(seg[runs.seg] + 4 * (runs.dst - self.seg_off[runs.seg]))
 
     def copy_runs(self, out: torch.Tensor, runs: "_Runs") -> None:
@@ -313,16 +323,12 @@ class BucketCodec:
         if lib is None or not lib.has_sources:
             return False
         numel = self.layout.numel
-        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                                 and t.numel() == numel[s]) for s, t in enumerate(sources))
+        return all(t is None or (_native_fp32(t) and t.numel() == numel[s]) for s, t in enumerate(sources))
 
     def source_addresses(self, g: torch.Tensor, sources: Sources) -> np.ndarray:
         """Per encode run, the address of its first input element: in its segment's source
         tensor, or in ``g`` for a segment whose source is None."""
-        lay = self.layout
-        base = g.data_ptr()
-        seg = np.fromiter((base + 4 * int(o) if t is None else t.data_ptr() for o, t in zip(lay.seg_off, sources)),
-                          dtype=np.int64, count=lay.segments)
+        seg = _segment_addresses(g, self.layout.seg_off, sources)
         return np.ascontiguousarray(seg[self.enc.seg] + self._enc_within)
 
     def encode(self, g: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
