@@ -53,6 +53,11 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
+#: configuration fields added after checkpoints were first written, with the value every run
+#: before them had: a checkpoint that lacks one is compared as if it held that value
+ADDED_FIELDS = {"micro_batches": 1}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the run being resumed."""
 
@@ -158,7 +163,7 @@ def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size
     if manifest["world_size"] != world_size:
         raise CheckpointError(f"the checkpoint was written by {manifest['world_size']} workers, "
                               f"but this run has {world_size}; resume with --workers {manifest['world_size']}")
-    saved = manifest.get("config", {})
+    saved, config = {**ADDED_FIELDS, **manifest.get("config", {})}, {**ADDED_FIELDS, **config}
     differ = sorted(k for k in set(saved) | set(config)
                     if k not in RESUMABLE_CHANGES and saved.get(k) != config.get(k))
     if differ:

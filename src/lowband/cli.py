@@ -68,6 +68,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=d.epochs, help="epochs (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--batch-size", type=int, default=None, help=f"per-worker batch size ({_by_task('batch_size')})")
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches,
+                   help="split each worker's batch into this many forward/backward passes whose gradients add up "
+                        "before one synchronized step (gradient accumulation: activations of one micro-batch at a "
+                        "time; default: %(default)s)")
     p.add_argument("--lr", type=float, default=None, help=f"(peak) learning rate ({_by_task('lr')})")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum (default: %(default)s)")
     p.add_argument("--weight-decay", type=float, default=None, help=f"weight decay ({_by_task('weight_decay')})")
@@ -158,7 +162,8 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
     cfg = TrainConfig(
         model=model, algorithm=algorithm, algorithm_options=algorithm_options(args),
         dataset=task["dataset"], data_dir=args.data_dir, workers=workers, epochs=args.epochs,
-        max_steps=args.max_steps, batch_size=task["batch_size"], lr=task["lr"], momentum=args.momentum,
+        max_steps=args.max_steps, batch_size=task["batch_size"], micro_batches=args.micro_batches,
+        lr=task["lr"], momentum=args.momentum,
         weight_decay=task["weight_decay"], optimizer=task["optimizer"], lr_schedule=task["lr_schedule"],
         warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, cpu_binding=args.cpu_binding,
         comm_slice_us=args.comm_slice_us, malloc=args.malloc,

@@ -36,6 +36,7 @@ class TrainConfig:
     epochs: int = 1
     max_steps: Optional[int] = None
     batch_size: int = 64          # per worker
+    micro_batches: int = 1        # forward/backward passes per step, gradients accumulated (Engine.no_sync)
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 1e-4
@@ -72,6 +73,10 @@ class TrainConfig:
 
         at_least("--workers", self.workers, 1)
         at_least("--batch-size", self.batch_size, 1)
+        at_least("--micro-batches", self.micro_batches, 1)
+        if self.micro_batches > self.batch_size:
+            raise ValueError(f"--micro-batches {self.micro_batches} is more than the --batch-size {self.batch_size} "
+                             "samples each worker takes per step")
         at_least("--epochs", self.epochs, 1)
         if self.max_steps is not None:
             at_least("--max-steps", self.max_steps, 1)

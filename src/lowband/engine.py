@@ -38,7 +38,8 @@ def check_dense_gradients(model: nn.Module) -> None:
 class Engine:
     """Drives one algorithm for one model. Create it with :func:`distribute`.
 
-    Usage per iteration: ``optimizer.zero_grad(); loss.backward(); engine.step()``. Evaluate
+    Usage per iteration: ``optimizer.zero_grad(); loss.backward(); engine.step()`` (several
+    micro-batches per step: :meth:`no_sync`). Evaluate
     ``engine.global_model()``, a copy of the global model that leaves training untouched;
     ``engine.synchronize()`` makes the training model itself global (at the end of training:
     for some algorithms it is a step outside their schedule).
@@ -88,20 +89,34 @@ class Engine:
             self.guard.carried_by = bound.carries_finiteness
         self._hooks = []
         self._forward = bound.on_gradient_ready if bound.uses_gradient_hooks else None
+        #: depth of :meth:`no_sync` blocks now open; parameters whose gradient grew inside one
+        #: and that the algorithm has not been told about since (:meth:`_deliver_accumulated`)
+        self._accumulating = 0
+        self._accumulated: set[int] = set()
+        self._deliver = [self._make_delivery(i) for i in range(len(self.params))]
         if bound.uses_gradient_hooks or self.guard.active:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     # -- setup ---------------------------------------------------------------------------
-    def _make_hook(self, index: int):
+    def _make_delivery(self, index: int):
+        """What the gradient hook of parameter ``index`` does outside :meth:`no_sync`: tell the
+        algorithm (through the finiteness guard when it is active)."""
         guard, forward = self.guard, self._forward
-
         if not guard.active:
-            def hook(_param: torch.Tensor) -> None:
-                forward(index)
-        else:
-            def hook(_param: torch.Tensor) -> None:
-                guard.on_gradient(index, forward)
+            return (lambda: None) if forward is None else (lambda: forward(index))
+        return lambda: guard.on_gradient(index, forward)
+
+    def _make_hook(self, index: int):
+        deliver, accumulated = self._deliver[index], self._accumulated
+
+        def hook(_param: torch.Tensor) -> None:
+            if self._accumulating:          # a micro-batch inside no_sync(): .grad only grows
+                accumulated.add(index)
+                return
+            if accumulated:
+                accumulated.discard(index)  # told now, with the whole sum
+            deliver()
         return hook
 
     def agreement_fields(self, nonfinite: str,
@@ -151,6 +166,11 @@ class Engine:
         """Finish this iteration's communication and advance the optimizer. Returns False when
         the step was skipped on every rank for a non-finite gradient (``nonfinite="skip"``);
         callers then leave their LR scheduler alone, as if the step had not happened."""
+        if self._accumulating:
+            raise RuntimeError("engine.step() inside engine.no_sync(): run the last micro-batch's backward "
+                               "after the block, then call step()")
+        if self._accumulated:
+            self._deliver_accumulated()
         if self.guard.active:
             step = self.comm.stats.steps + 1
             carried = self.guard.policy == "raise" and self.bound.carries_finiteness()
@@ -177,6 +197,41 @@ class Engine:
         self.bound.step()
         self.comm.stats.steps += 1
         return True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation over micro-batches, as ``DistributedDataParallel.no_sync``: a
+        backward inside the block only adds into ``.grad`` (no communication, nothing launched);
+        the next backward outside it (the last micro-batch's) hands each gradient, now the sum
+        over the micro-batches, to the algorithm as usual, and ``step()`` then averages and
+        applies it::
+
+            optimizer.zero_grad()
+            with engine.no_sync():
+                for x, y in micro_batches[:-1]:
+                    (loss_fn(engine.module(x), y) / n).backward()
+            x, y = micro_batches[-1]
+            (loss_fn(engine.module(x), y) / n).backward()
+            engine.step()
+
+        A parameter that got a gradient only inside the block (unused by the last micro-batch)
+        is handed over at ``step()``. Same result as one backward of the summed losses, with one
+        micro-batch's activations in memory at a time. ``step()`` inside the block raises."""
+        with self.bound.no_sync():
+            self._accumulating += 1
+            try:
+                yield
+            finally:
+                self._accumulating -= 1
+
+    def _deliver_accumulated(self) -> None:
+        """At ``step()``: tell the algorithm about the gradients that grew inside
+        :meth:`no_sync` but were not produced again by the backward after it, in parameter
+        order, as their hooks would have."""
+        late = sorted(self._accumulated)
+        self._accumulated.clear()
+        for index in late:
+            self._deliver[index]()
 
     def synchronize(self) -> None:
         """Drain in-flight work (the model then holds the global weights) and average the

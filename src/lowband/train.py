@@ -1,6 +1,7 @@
 """The training loop one worker runs (inside an initialized process group)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -19,7 +20,7 @@ from .config import TrainConfig
 from .data import ShardedBatches, load_dataset
 from . import checkpoint, comm_threads, cpus, device, memory, rendezvous, tasks
 from .agreement import ReplicaMismatchError
-from .engine import distribute
+from .engine import Engine, distribute
 from .guard import NonFiniteLossError
 from .metrics import MetricsWriter, format_table, read_jsonl, write_json_atomic
 from .models import make_model
@@ -90,6 +91,25 @@ def _all_gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def forward_backward(engine: Engine, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 1) -> torch.Tensor:
+    """One step's forward and backward over the batch ``(x, y)``, as ``micro_batches`` passes over
+    consecutive slices of it whose gradients add up (all but the last inside ``engine.no_sync()``),
+    each loss weighted by its share of the samples: the batch's mean loss and its gradient, with
+    one slice's activations in memory at a time. Returns the batch's loss (detached)."""
+    if micro_batches == 1:
+        loss = tasks.loss(engine.module(x), y)
+        loss.backward()
+        return loss.detach()
+    xs, ys = x.tensor_split(micro_batches), y.tensor_split(micro_batches)
+    total = torch.zeros((), device=x.device)
+    for m, (xm, ym) in enumerate(zip(xs, ys)):
+        with engine.no_sync() if m < micro_batches - 1 else contextlib.nullcontext():
+            loss = tasks.loss(engine.module(xm), ym) * (xm.shape[0] / x.shape[0])
+            loss.backward()
+        total += loss.detach()
+    return total
 
 
 def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
@@ -185,8 +205,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             before = engine.stats.snapshot()
             t0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
             optimizer.zero_grad(set_to_none=True)
-            loss = tasks.loss(engine.module(x), y)
-            loss.backward()
+            loss = forward_backward(engine, x, y, cfg.micro_batches)
             applied = engine.step()
             if applied and scheduler is not None:
                 scheduler.step()

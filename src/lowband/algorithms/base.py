@@ -27,12 +27,13 @@ configuration can bind several engines, one after the other or side by side.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, ContextManager, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -105,6 +106,12 @@ class BoundAlgorithm(ABC):
 
     def on_gradient_ready(self, index: int) -> None:
         """``ctx.params[index].grad`` has just been accumulated during backward."""
+
+    def no_sync(self) -> ContextManager[None]:
+        """Entered by :meth:`lowband.Engine.no_sync` around micro-batches whose gradients only
+        accumulate (the engine holds back the gradient hooks itself). Peers that wrap the
+        module in something with its own hooks (DDP) return that wrapper's ``no_sync()``."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def step(self) -> None:

@@ -196,7 +196,8 @@ class BucketSet:
         if index not in b.pending:
             raise RuntimeError(
                 f"gradient of parameter #{index} became ready twice in one iteration; lowband "
-                "expects one backward() per engine.step() (accumulate gradients in the loss instead)")
+                "expects one backward() per engine.step(): to accumulate gradients over micro-batches, "
+                "run every backward but the last inside `with engine.no_sync():`")
         k = b.position[index]
         views = b.views()
         grad, place = self.params[index].grad, views.params[k]

@@ -21,10 +21,11 @@ bucket), so it is an upper bound on pure waiting. See ``docs/peers.md``.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -183,6 +184,9 @@ class BoundDDP(BoundAlgorithm):
         # which string annotations (``from __future__ import annotations``) would fail.
         self.ddp.register_comm_hook(None, lambda _state, bucket: self._hook(bucket))
         return self.ddp
+
+    def no_sync(self) -> ContextManager[None]:
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
     # -- communication -------------------------------------------------------------------
     def _broadcast_buffers(self, named_buffers: dict[str, torch.Tensor]) -> None:

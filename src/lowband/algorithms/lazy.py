@@ -272,6 +272,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         self._route_hooks: list = []
         self._uses: list[tuple[str, str, int]] = []      # tied="split": (module, attribute, index)
         self._aliases: dict[int, torch.Tensor] = {}     # tied use -> this iteration's alias
+        self._alias_step = -1    # the engine's step count when the aliases were made
         self._set_plan(None)
         self.tau = 1
         self.n = 0
@@ -324,11 +325,17 @@ class BoundLazyUpdate(BoundAlgorithm):
 
     def _route(self, use: int, attr: str, index: int):
         def hook(module: nn.Module, _args) -> None:
+            # one alias per iteration: the micro-batches of an iteration (Engine.no_sync) add
+            # into its .grad. Aliases of an earlier iteration still here are a skipped step's
+            # (nonfinite="skip" drops the step before step() takes them): start afresh. (A use
+            # that does not run in the step after a skipped one would carry that gradient
+            # over: not handled.)
+            steps = self.ctx.comm.stats.steps
+            if steps != self._alias_step:
+                self._aliases.clear()
+                self._alias_step = steps
             alias = self._aliases.get(use)
-            # a gradient already there is a skipped step's (nonfinite="skip" drops the step
-            # before step() takes it): start afresh. (A use that does not run in the step after
-            # a skipped one would carry that gradient over: not handled.)
-            if alias is None or alias.grad is not None:
+            if alias is None:
                 p = self.ctx.params[index]
                 alias = p.detach().requires_grad_(p.requires_grad)   # same storage, own leaf
                 self._aliases[use] = alias
