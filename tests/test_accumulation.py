@@ -18,6 +18,7 @@ from torch import nn
 
 import lowband
 from lowband import NonFiniteGradientError, checkpoint, cli
+from lowband.algorithms.diloco import torchft_unavailable
 from lowband.config import TrainConfig
 from lowband.train import forward_backward
 
@@ -87,6 +88,7 @@ def _train(rank: int, world: int, algorithm: str, options: dict, how: str, model
             sum(micro(m) for m in range(MICRO)).backward()
         engine.step()
     engine.synchronize()
+    engine.close()
     return params_of(model)
 
 
@@ -113,6 +115,10 @@ CASES = [
     ("lazy-late", "lazy", {"lazy_layers": 1}, "first-only"),
     ("lazy-tied-split", "lazy", {"lazy_layers": 2, "tied": "split"}, "lm"),
 ]
+if torchft_unavailable() is None:      # the torchft peers: inner steps on the accumulated gradient
+    CASES += [("diloco", "diloco", {"sync_every": 4, "timeout_s": 30.0}, "small"),
+              ("streaming-diloco", "streaming-diloco",
+               {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "timeout_s": 30.0}, "small")]
 
 
 def _errors(rank: int, world: int) -> dict:
