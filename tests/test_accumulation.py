@@ -144,7 +144,7 @@ def _errors(rank: int, world: int) -> dict:
     except RuntimeError as e:
         out["twice"] = str(e)
     engine.close()
-    for algorithm in ("ssgd", "compressed"):
+    for algorithm in ("ssgd", "compressed", "cpsgd"):
         try:
             _train(rank, world, algorithm, SHORT_SCHEDULES.get(algorithm, {}), "no_sync", poison_at=5)
             out[f"nan-{algorithm}"] = None
@@ -199,7 +199,7 @@ def test_step_inside_no_sync_and_two_backwards_are_refused(two_ranks):
         assert "became ready twice" in errors["twice"] and "engine.no_sync()" in errors["twice"]
 
 
-@pytest.mark.parametrize("algorithm", ["ssgd", "compressed"])
+@pytest.mark.parametrize("algorithm", ["ssgd", "compressed", "cpsgd"])
 def test_a_nan_inside_no_sync_is_caught_at_that_step(two_ranks, algorithm):
     for out in two_ranks:
         step, message = out["errors"][f"nan-{algorithm}"]
