@@ -144,6 +144,20 @@ def _errors(rank: int, world: int) -> dict:
     except RuntimeError as e:
         out["twice"] = str(e)
     engine.close()
+    # micro-batches given up (zero_grad before any step): nothing of them reaches the step
+    torch.manual_seed(0)
+    model = FirstMicroOnly()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, "compressed", warmup_steps=0)
+    before = model.extra.weight.detach().clone()
+    with engine.no_sync():
+        _loss(engine.module(x), y).backward()           # the head is used here only
+    opt.zero_grad()
+    model.use_extra = False
+    _loss(engine.module(x), y).backward()
+    engine.step()
+    out["given_up"] = torch.equal(model.extra.weight, before), model.extra.weight.grad is None
+    engine.close()
     for algorithm in ("ssgd", "compressed", "cpsgd"):
         try:
             _train(rank, world, algorithm, SHORT_SCHEDULES.get(algorithm, {}), "no_sync", poison_at=5)
@@ -197,6 +211,11 @@ def test_step_inside_no_sync_and_two_backwards_are_refused(two_ranks):
         errors = out["errors"]
         assert "inside engine.no_sync()" in errors["step_inside"]
         assert "became ready twice" in errors["twice"] and "engine.no_sync()" in errors["twice"]
+
+
+def test_micro_batches_given_up_with_zero_grad_reach_nothing(two_ranks):
+    for out in two_ranks:
+        assert out["errors"]["given_up"] == (True, True)
 
 
 @pytest.mark.parametrize("algorithm", ["ssgd", "compressed", "cpsgd"])

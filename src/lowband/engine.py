@@ -227,11 +227,13 @@ class Engine:
     def _deliver_accumulated(self) -> None:
         """At ``step()``: tell the algorithm about the gradients that grew inside
         :meth:`no_sync` but were not produced again by the backward after it, in parameter
-        order, as their hooks would have."""
+        order, as their hooks would have (not those cleared since: micro-batches given up with
+        ``zero_grad()`` before a step)."""
         late = sorted(self._accumulated)
         self._accumulated.clear()
         for index in late:
-            self._deliver[index]()
+            if self.params[index].grad is not None:
+                self._deliver[index]()
 
     def synchronize(self) -> None:
         """Drain in-flight work (the model then holds the global weights) and average the
