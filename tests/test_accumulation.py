@@ -56,10 +56,12 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _train(rank: int, world: int, algorithm: str, options: dict, how: str, model_kind: str = "small",
-           nonfinite: str = "raise", poison_at: int = 0) -> dict:
+           nonfinite: str = "raise", poison_at: int = 0, zeroing: str = "none") -> dict:
     """``STEPS`` steps of ``MICRO`` micro-batches: ``how="no_sync"`` accumulates them through
     ``engine.no_sync()``, ``"summed"`` sums their losses into one backward. ``poison_at``: at
-    that step rank 0's first micro-batch (inside the block) gets a NaN."""
+    that step rank 0's first micro-batch (inside the block) gets a NaN. ``zeroing``: "none"
+    sets the gradients to None before each step, "zeros" zeroes them in place (where the last
+    step left them: the bucket's views, or the gradients the average was decoded into)."""
     torch.manual_seed(0)
     model = {"small": SmallNet, "first-only": FirstMicroOnly, "lm": TiedLM}[model_kind]()
     opt = make_optimizer("sgd", model)
@@ -68,8 +70,7 @@ def _train(rank: int, world: int, algorithm: str, options: dict, how: str, model
     for step in range(1, STEPS + 1):
         x, y = next(it)
         xs, ys = x.chunk(MICRO), y.chunk(MICRO)
-        opt.zero_grad()
-        losses = []
+        opt.zero_grad(set_to_none=zeroing == "none")
 
         def micro(m: int) -> torch.Tensor:
             if model_kind == "first-only":
@@ -99,7 +100,11 @@ CASES = [
     ("ssgd-unguarded", "ssgd", {"nonfinite": "off"}, "small"),
     ("ssgd-skip", "ssgd", {"nonfinite": "skip"}, "small"),            # the guard defers the hooks
     ("compressed", "compressed", SHORT_SCHEDULES["compressed"], "small"),
-    ("compressed-allgather-copy", "compressed",
+    ("ssgd-views-zeros", "ssgd", {"gradient_as_bucket_view": True, "zeroing": "zeros"}, "small"),
+    ("compressed-views-zeros", "compressed",
+     {**SHORT_SCHEDULES["compressed"], "gradient_as_bucket_view": True, "zeroing": "zeros"}, "small"),
+    ("compressed-zeros", "compressed", {**SHORT_SCHEDULES["compressed"], "zeroing": "zeros"}, "small"),
+    ("compressed-two-stage-copied", "compressed",
      {**SHORT_SCHEDULES["compressed"], "encode_from_gradients": False, "collective": "two-stage"}, "small"),
     ("cpsgd", "cpsgd", SHORT_SCHEDULES["cpsgd"], "small"),
     ("lazy", "lazy", {"lazy_layers": 1}, "small"),
@@ -171,8 +176,8 @@ def _suite(rank: int, world: int) -> dict:
     out = {}
     for case, algorithm, options, model_kind in CASES:
         options = dict(options)
-        nonfinite = options.pop("nonfinite", "raise")
-        out[case] = tuple(_train(rank, world, algorithm, options, how, model_kind, nonfinite)
+        nonfinite, zeroing = options.pop("nonfinite", "raise"), options.pop("zeroing", "none")
+        out[case] = tuple(_train(rank, world, algorithm, options, how, model_kind, nonfinite, zeroing=zeroing)
                           for how in ("no_sync", "summed"))
     torch.manual_seed(0)
     out["initial"] = {k: params_of(m()) for k, m in (("small", SmallNet), ("first-only", FirstMicroOnly),
