@@ -1,4 +1,4 @@
-"""Build of lowband's one native piece: the fused codec kernels and CP-SGD's fused SGD step
+"""Build of lowband's one native piece: the fused codec kernels and CP-SGD's fused SGD and Adam steps
 (plain C, one library loaded with ctypes).
 
 The library has no Python or torch headers in it, so pip's isolated build needs nothing but a
@@ -11,7 +11,8 @@ setup(
         Extension(
             "lowband.compressors.kernels._lowband_codecs",
             sources=["src/lowband/compressors/kernels/lowband_codecs.c",
-                     "src/lowband/compressors/kernels/lowband_sgd.c"],
+                     "src/lowband/compressors/kernels/lowband_sgd.c",
+                     "src/lowband/compressors/kernels/lowband_adam.c"],
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         )

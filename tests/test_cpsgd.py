@@ -343,13 +343,16 @@ def test_parameters_no_rank_used_stay_put_and_partly_used_ones_agree(correction)
         assert torch.equal(final0[n], start[n])
 
 
-def _native_or_torch(rank: int, world: int, mode: str):
+def _native_or_torch(rank: int, world: int, mode: str, optimizer: str = "sgd"):
     import os
     from lowband.compressors import kernels
     os.environ[kernels.ENV] = mode
     torch.manual_seed(0)
     model = SmallNet()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     engine = lowband.distribute(model, opt, "cpsgd", warmup_steps=2, correction_period=3, bucket_mb=BUCKET_MB)
     fused = engine.bound.fused_step is not None
     it = batches(rank, world).epoch(0)
@@ -360,21 +363,22 @@ def _native_or_torch(rank: int, world: int, mode: str):
         engine.step()
     engine.synchronize()
     out = {n: p.detach().clone() for n, p in model.named_parameters()}
-    bufs = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    bufs = [v.clone() for p in model.parameters() for k, v in sorted(opt.state[p].items())]
     engine.close()
     return out, bufs, fused
 
 
-def test_native_kernels_and_fused_sgd_step_equal_the_torch_path_end_to_end():
-    """Default CP-SGD (look-ahead local update, SGD with Nesterov momentum and weight decay)
-    with the native codecs and the fused global+local SGD step equals the pure-torch path
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_native_kernels_and_fused_step_equal_the_torch_path_end_to_end(optimizer):
+    """Default CP-SGD (look-ahead local update; SGD with Nesterov momentum and weight decay, or
+    AdamW) with the native codecs and the fused global+local step equals the pure-torch path
     (torch codecs, optimizer.step() then the tentative step) bit for bit, 10 steps past
     the warm-up, on 2 gloo ranks."""
     from lowband.compressors import kernels
     if kernels.library() is None:
         pytest.skip("native kernels not built")
-    native = run_distributed(_native_or_torch, 2, "native")
-    torch_path = run_distributed(_native_or_torch, 2, "torch")
+    native = run_distributed(_native_or_torch, 2, "native", optimizer)
+    torch_path = run_distributed(_native_or_torch, 2, "torch", optimizer)
     for (p_n, b_n, fused_n), (p_t, b_t, fused_t) in zip(native, torch_path):
         assert fused_n and not fused_t
         for n in p_n:

@@ -1,6 +1,7 @@
 """The closed-form tentative step equals the generic fallback and a real optimizer.step(), bit
 for bit, for every SGD and Adam/AdamW variant; neither touches the optimizer's state. CP-SGD's
-fused native SGD step (global step + tentative step in one pass) equals the two in sequence."""
+fused native SGD and Adam steps (global step + tentative step in one or two passes) equal the
+two in sequence."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowband.algorithms.local_update import FusedSGDStep, TentativeStep, closed_form_kind
+from lowband.algorithms.local_update import FusedAdamStep, FusedSGDStep, TentativeStep, closed_form_kind
 from lowband.compressors import kernels
 
 VARIANTS = {
@@ -177,3 +178,87 @@ def test_fused_sgd_step_reads_a_non_contiguous_gradient_correctly():
     w2 = torch.empty(6, 5)
     TentativeStep(opt2, [ref]).step([ref.data], [g.contiguous()], [w2])
     assert torch.equal(W, ref.detach()) and torch.equal(w, w2)
+
+
+#: the Adam variants the fused kernel takes (AdamW's decoupled decay; Adam without decay;
+#: 1 - beta1 >= 0.5, torch's other lerp branch; another eps)
+ADAM_FUSED_VARIANTS = {
+    "adam": VARIANTS["adam"],
+    "adamw": VARIANTS["adamw"],
+    "adamw-betas": lambda ps: torch.optim.AdamW(ps, lr=3e-3, betas=(0.3, 0.9), weight_decay=1e-2, eps=1e-6),
+}
+
+
+class _Wide(nn.Module):
+    """Small layers and a 70,000-element one: on an MKL build torch's float sqrt is one ulp off
+    for some elements of a tensor that size, so a kernel taking its own square root fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = _model()
+        self.wide = nn.Linear(700, 100)
+
+
+@pytest.mark.skipif(kernels.library() is None or not getattr(kernels.library(), "has_adam", False),
+                    reason="native Adam kernel not built")
+@pytest.mark.parametrize("variant", sorted(ADAM_FUSED_VARIANTS))
+def test_fused_adam_step_equals_optimizer_step_then_tentative_step(variant):
+    """Five pipelined steps (the first creates the state), with parameters that lack the averaged
+    gradient, the local one, or both at some steps: W, w and the optimizer state equal
+    ``optimizer.step()`` followed by ``TentativeStep.step`` bit for bit."""
+    runs = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = _Wide()
+        params = list(model.parameters())
+        opt = ADAM_FUSED_VARIANTS[variant]([{"params": params[:4]}, {"params": params[4:], "lr": 0.01}])
+        assert FusedAdamStep.unavailable(opt, params) is None
+        W = [p.data for p in params]
+        w = [torch.empty_like(p) for p in params]
+        for s in range(5):
+            torch.manual_seed(10 + s)
+            G = [torch.randn_like(p) * 1e-2 for p in params]
+            g = [torch.randn_like(p) * 1e-2 for p in params]
+            G[-4] = None                 # the small model's last weight: no averaged gradient, ever
+            if s == 1:
+                G[0] = None              # no rank had this gradient at this step
+            if s == 2:
+                g[1] = None              # this rank had no local gradient
+            if s == 3:
+                G[-4], g[-4] = None, None
+            if fused:
+                FusedAdamStep(opt, params).step(W, G, g, w)
+            else:
+                for p, x in zip(params, G):
+                    p.grad = x
+                opt.step()
+                TentativeStep(opt, params).step(W, g, w)
+        state = {k: {n: v.clone() for n, v in st.items()} for k, st in opt.state_dict()["state"].items()}
+        runs.append(([x.clone() for x in W], [x.clone() for x in w], state))
+    (W0, w0, st0), (W1, w1, st1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(W0, W1))
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert st0.keys() == st1.keys()
+    for k in st0:
+        assert st0[k].keys() == st1[k].keys()
+        for n in st0[k]:
+            assert torch.equal(st0[k][n], st1[k][n]), (k, n)
+            assert st0[k][n].dtype == st1[k][n].dtype, (k, n)
+
+
+def test_fused_adam_step_says_why_it_is_not_used():
+    model = _model()
+    params = list(model.parameters())
+    assert "not a plain torch.optim.Adam" in FusedAdamStep.unavailable(torch.optim.SGD(params, lr=0.1), params)
+    for opt in (torch.optim.Adam(params, amsgrad=True), torch.optim.AdamW(params, maximize=True),
+                torch.optim.AdamW(params, foreach=True)):
+        assert FusedAdamStep.unavailable(opt, params) == "amsgrad, maximize or foreach=True"
+    assert "coupled weight decay" in FusedAdamStep.unavailable(torch.optim.Adam(params, weight_decay=1e-2), params)
+    opt = torch.optim.AdamW(params)
+    handle = opt.register_step_pre_hook(lambda *a: None)
+    assert FusedAdamStep.unavailable(opt, params) == "optimizer step hooks are registered"
+    handle.remove()
+    assert "fp32" in FusedAdamStep.unavailable(opt, [p.detach().half() for p in params])
+    if kernels.library() is not None and getattr(kernels.library(), "has_adam", False):
+        assert FusedAdamStep.unavailable(opt, params) is None
+        assert FusedAdamStep.rounding() is not None

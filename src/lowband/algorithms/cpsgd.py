@@ -54,7 +54,7 @@ from ..pipeline import make_collective
 from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments, first_nonfinite
-from .local_update import FusedSGDStep, TentativeStep, param_group_of
+from .local_update import FusedAdamStep, FusedSGDStep, TentativeStep, closed_form_kind, param_group_of
 from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
 
 LOCAL_UPDATES = ("optimizer", "sgd", "none")
@@ -185,8 +185,9 @@ class CPSGD(Algorithm):
             ``"optimizer"``: a tentative step of the user's optimizer from W with g_t (momentum
             and weight decay included; closed form for SGD and Adam/AdamW, no state change).
             For plain ``torch.optim.SGD`` on CPU the global step and this one run fused in one
-            native pass per tensor (:class:`FusedSGDStep`, bit-identical; ``fused_step_unavailable``
-            says why not when it is not used);
+            native pass per tensor (:class:`FusedSGDStep`), for ``Adam`` (no weight decay) and
+            ``AdamW`` in two (:class:`FusedAdamStep`), both bit-identical to the torch steps;
+            ``fused_step_unavailable`` says why not when neither is used;
             ``"sgd"``: w = W - local_lr * g_t (the paper's plain-SGD local optimizer);
             ``"none"``: w = W_{t-1} (no local compensation).
         local_lr: alpha for ``"sgd"``; ``None`` uses each parameter group's learning rate.
@@ -301,9 +302,10 @@ class BoundCPSGD(BoundAlgorithm):
         self._waited_at_exit = 0.0                         # the exposed wait counted by then
         self.tentative = TentativeStep(ctx.optimizer, ctx.params)
         # the global step and the look-ahead local update in one native pass, where possible
+        fused = FusedAdamStep if closed_form_kind(ctx.optimizer) == "adam" else FusedSGDStep
         self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.cfg.local_update != "optimizer"
-                                       else FusedSGDStep.unavailable(ctx.optimizer, ctx.params))
-        self.fused_step = None if self.fused_step_unavailable else FusedSGDStep(ctx.optimizer, ctx.params)
+                                       else fused.unavailable(ctx.optimizer, ctx.params))
+        self.fused_step = None if self.fused_step_unavailable else fused(ctx.optimizer, ctx.params)
         self.group_of = param_group_of(ctx.optimizer, ctx.params)
         self.w = [p.data for p in ctx.params]                    # compute weights (the model's storage)
         self.W = [torch.empty_like(p) for p in ctx.params]       # global weights, while pipelining

@@ -312,3 +312,180 @@ def _probe_case(n: int = 67, **options) -> bool:
     (p0, w0, b0), (p1, w1, b1) = results
     same_buf = (b0 is None and b1 is None) or (b0 is not None and b1 is not None and torch.equal(b0, b1))
     return torch.equal(p0, p1) and torch.equal(w0, w1) and same_buf
+
+
+# -- the same for torch.optim.Adam / AdamW, in two native passes ---------------------------
+_ADAM_GLOBAL, _ADAM_LOCAL, _ADAM_STATE, _ADAM_DECOUPLED = 1, 2, 4, 8
+_ADAM_LERP_FMA, _ADAM_ADDCMUL_FMA, _ADAM_LERP_BIG = 16, 32, 64
+#: how torch may round its lerp and addcmul (each one fused multiply-add or not), in the order
+#: the probe tries them; the first that reproduces torch bit for bit is used
+_ADAM_ROUNDINGS = (_ADAM_LERP_FMA | _ADAM_ADDCMUL_FMA, _ADAM_LERP_FMA, _ADAM_ADDCMUL_FMA, 0)
+
+
+def _adam_group_options(optimizer: torch.optim.Optimizer, group: dict) -> tuple[bool, float]:
+    """(decoupled, weight decay) of a param group, as torch's Adam / AdamW read them."""
+    decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
+    return bool(decoupled), group["weight_decay"]
+
+
+class FusedAdamStep:
+    """:class:`FusedSGDStep` for ``torch.optim.Adam`` and ``AdamW``: the user's optimizer step
+    of the global weights ``W`` with the averaged gradients ``G`` (state updated as
+    ``optimizer.step()`` leaves it) and the tentative step of ``g`` from the new ``W`` into
+    ``w``, in two native passes per tensor (``lowband_adam.c``) around one ``torch.sqrt`` of
+    all tensors (torch's float square root is not always correctly rounded, so it stays
+    torch's), instead of two optimizer passes of about a dozen torch operations each.
+    Bit-identical to ``optimizer.step()`` followed by ``TentativeStep.step`` (probed at
+    start-up, tested).
+
+    :meth:`unavailable` says why it cannot be used (None: it can): not a plain Adam / AdamW,
+    amsgrad, maximize, foreach, Adam's coupled weight decay, step hooks, tensors not contiguous
+    fp32 on the CPU, the native library missing, or no rounding of the kernel's that agrees with
+    torch's on this CPU.
+    """
+
+    _rounding: Optional[int] = None     # the probed flags; -1: none agrees
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
+        from ..compressors import kernels
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.group_of = param_group_of(optimizer, self.params)
+        self._lib = kernels.library()
+        # per parameter: vg (then sqrt), ml, vl (then sqrt): allocated at the first step
+        self._scratch: Optional[list[list[torch.Tensor]]] = None
+
+    @classmethod
+    def unavailable(cls, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Optional[str]:
+        from ..compressors import kernels
+        if closed_form_kind(optimizer) != "adam":
+            return "the optimizer is not a plain torch.optim.Adam or AdamW"
+        for group in optimizer.param_groups:
+            if group.get("amsgrad") or group.get("maximize") or group.get("foreach"):
+                return "amsgrad, maximize or foreach=True"
+            decoupled, wd = _adam_group_options(optimizer, group)
+            if wd != 0 and not decoupled:
+                return "Adam's coupled weight decay (use AdamW)"
+        if _has_step_hooks(optimizer):
+            return "optimizer step hooks are registered"
+        if any(p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() for p in params):
+            return "parameters are not contiguous fp32 CPU tensors"
+        lib = kernels.library()
+        if lib is None:
+            return kernels.unavailable_reason() or f"{kernels.ENV}=torch"
+        if not getattr(lib, "has_adam", False):
+            return "the native library was built without the Adam kernel"
+        if cls.rounding() is None:
+            return "no rounding of the native Adam step agrees with torch's on this CPU"
+        return None
+
+    @classmethod
+    def rounding(cls) -> Optional[int]:
+        """One-time probe: the flags (lerp and addcmul fused or not) with which the kernel
+        equals ``optimizer.step()`` + ``TentativeStep`` on random tensors, every variant it
+        has; None if no choice does."""
+        if cls._rounding is None:
+            cls._rounding = next((r for r in _ADAM_ROUNDINGS if all(
+                _adam_probe_case(r, **kw) for kw in (
+                    dict(kind="adamw", weight_decay=0.1), dict(kind="adam", betas=(0.8, 0.95)),
+                    dict(kind="adamw", weight_decay=1e-2, betas=(0.3, 0.9), n=4099)))), -1)
+        return None if cls._rounding < 0 else cls._rounding
+
+    def _buffers(self) -> list[list[torch.Tensor]]:
+        if self._scratch is None:
+            self._scratch = [[torch.empty_like(p) for p in self.params] for _ in range(3)]
+        return self._scratch
+
+    @torch.no_grad()
+    def step(self, W: Tensors, G: Sequence[Optional[torch.Tensor]], g: Sequence[Optional[torch.Tensor]],
+             w: Tensors, rounding: Optional[int] = None) -> None:
+        lib, groups, state = self._lib, self.optimizer.param_groups, self.optimizer.state
+        rounding = self.rounding() if rounding is None else rounding
+        vg, ml, vl = self._buffers()
+        jobs, roots = [], []
+        for i, p in enumerate(self.params):
+            k = self.group_of[i]
+            Gi = G[i] if k is not None else None
+            gi = g[i] if k is not None else None
+            if Gi is None and gi is None:
+                w[i].copy_(W[i])
+                continue
+            group = groups[k]
+            st = state[p] if Gi is not None or p in state else {}    # (a defaultdict: no entry made)
+            if Gi is not None and not st:        # torch's _init_group
+                st["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            lr, eps = group["lr"], group["eps"]
+            beta1, beta2 = group["betas"]
+            decoupled, wd = _adam_group_options(self.optimizer, group)
+            flags = rounding | (_ADAM_GLOBAL if Gi is not None else 0) | (_ADAM_LOCAL if gi is not None else 0)
+            if "exp_avg" in st:
+                flags |= _ADAM_STATE
+            if decoupled and wd != 0:
+                flags |= _ADAM_DECOUPLED
+            if abs(1 - beta1) >= 0.5:
+                flags |= _ADAM_LERP_BIG
+            if Gi is not None:
+                st["step"] += 1
+            s_global = float(st["step"]) if "step" in st else 0.0
+            s_local = s_global + 1
+            Gi, gi = _kernel_operand(Gi), _kernel_operand(gi)
+            m, v = (st["exp_avg"], st["exp_avg_sq"]) if "exp_avg" in st else (None, None)
+            decay = 1 - lr * wd
+            lib.lb_adam_moments(W[i].data_ptr(), _address(m), _address(v), _address(Gi), _address(gi),
+                                ml[i].data_ptr(), vl[i].data_ptr(), vg[i].data_ptr(), W[i].numel(),
+                                decay, 1 - beta1, beta2, 1 - beta2, flags)
+            if Gi is not None:
+                roots.append(vg[i])
+            if gi is not None:
+                roots.append(vl[i])
+            bc_g = (1 - beta2 ** s_global) ** 0.5 if Gi is not None else 1.0
+            ss_g = -(lr / (1 - beta1 ** s_global)) if Gi is not None else 0.0
+            jobs.append((i, m, flags, bc_g, ss_g, (1 - beta2 ** s_local) ** 0.5, -(lr / (1 - beta1 ** s_local)),
+                         eps, decay))
+        if roots:
+            torch._foreach_sqrt_(roots)
+        for i, m, flags, bc_g, ss_g, bc_l, ss_l, eps, decay in jobs:
+            lib.lb_adam_apply(W[i].data_ptr(), _address(m), vg[i].data_ptr(), w[i].data_ptr(), ml[i].data_ptr(),
+                              vl[i].data_ptr(), W[i].numel(), bc_g, ss_g, bc_l, ss_l, eps, decay, flags)
+        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            self.optimizer._opt_called = True    # what the scheduler's wrapper of step() records
+
+
+def _address(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype of torch's Adam ``state["step"]`` (float64 under a float64 default dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _adam_probe_case(rounding: int, kind: str, n: int = 67, weight_decay: float = 0.0,
+                     betas: tuple[float, float] = (0.9, 0.999)) -> bool:
+    """Three fused steps (the first creates the state; the last without a global gradient)
+    equal the torch sequence: W, the state and w, bit for bit."""
+    gen = torch.Generator().manual_seed(n)
+    start = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(6)]
+    grads[4] = None                      # step 3: only a local gradient
+    make = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    results = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(start.clone())
+        opt = make([p], lr=1e-3, betas=betas, weight_decay=weight_decay)
+        w = torch.empty(n)
+        for G, gl in zip(grads[0::2], grads[1::2]):
+            if fused:
+                FusedAdamStep(opt, [p]).step([p.data], [G], [gl], [w], rounding=rounding)
+            else:
+                if G is not None:
+                    p.grad = G
+                    opt.step()
+                TentativeStep(opt, [p]).step([p.data], [gl], [w])
+        st = opt.state[p]
+        results.append((p.detach().clone(), w.clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone(),
+                        float(st["step"])))
+    (p0, w0, m0, v0, s0), (p1, w1, m1, v1, s1) = results
+    return torch.equal(p0, p1) and torch.equal(w0, w1) and torch.equal(m0, m1) and torch.equal(v0, v1) and s0 == s1

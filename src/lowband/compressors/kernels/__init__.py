@@ -45,6 +45,9 @@ _OPTIONAL = {
     "lb_onebit_encode_at": (_int, [_p, _p, _p, _i64, _p, _p, _p]),
     # the decoder with each run's output address (averages written into the gradients)
     "lb_decode_at": (None, [_int, _p, _i64, _i64, _p, _i64, _p, _f32, _i64, _int, _f32, _p]),
+    # CP-SGD's Adam / AdamW global step and local update (lowband_adam.c)
+    "lb_adam_moments": (None, [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _int]),
+    "lb_adam_apply": (None, [_p, _p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _int]),
 }
 
 
@@ -68,6 +71,7 @@ def open_library(path: str) -> ctypes.CDLL:
     lib.proves_finite = hasattr(lib, "lb_proves_finite")
     lib.has_spans = hasattr(lib, "lb_gather_spans") and hasattr(lib, "lb_scatter_mean")
     lib.has_flags = hasattr(lib, "lb_write_flags") and hasattr(lib, "lb_read_flags")
+    lib.has_adam = hasattr(lib, "lb_adam_moments") and hasattr(lib, "lb_adam_apply")
     lib.has_sources = all(hasattr(lib, f"lb_{k}_encode_at") for k in ("twobit", "twobit_rel", "onebit")) and \
         hasattr(lib, "lb_decode_at")
     return lib
