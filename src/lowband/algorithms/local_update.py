@@ -67,8 +67,16 @@ class TentativeStep:
         self.params = list(params)
         self.group_of = param_group_of(optimizer, self.params)
         self.kind = None if generic else closed_form_kind(optimizer)
-        n_scratch = {"sgd": 2, "adam": 3}.get(self.kind, 0)
-        self._scratch = [[torch.empty_like(p) for p in self.params] for _ in range(n_scratch)]
+        self._n_scratch = {"sgd": 2, "adam": 3}.get(self.kind, 0)
+        self._buffers: Optional[list[list[torch.Tensor]]] = None
+
+    @property
+    def _scratch(self) -> list[list[torch.Tensor]]:
+        """Buffers of the closed forms, allocated at the first step (CP-SGD with a fused step
+        only takes one for evaluation)."""
+        if self._buffers is None:
+            self._buffers = [[torch.empty_like(p) for p in self.params] for _ in range(self._n_scratch)]
+        return self._buffers
 
     @property
     def closed_form(self) -> bool:
