@@ -13,6 +13,7 @@ setup(
             sources=["src/lowband/compressors/kernels/lowband_codecs.c",
                      "src/lowband/compressors/kernels/lowband_sgd.c",
                      "src/lowband/compressors/kernels/lowband_adam.c"],
+            depends=["src/lowband/compressors/kernels/lowband_fma.h"],
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         )

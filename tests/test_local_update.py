@@ -115,22 +115,33 @@ def test_fused_sgd_step_equals_optimizer_step_then_tentative_step(variant):
     """Five pipelined steps (the first creates the momentum buffers), with parameters that
     lack the averaged gradient, the local one, or both at some steps: W, w and the optimizer
     state equal ``optimizer.step()`` followed by ``TentativeStep.step`` bit for bit."""
+    def grads(model, params, s):
+        G, g = _grads(model, 10 + s), _grads(model, 20 + s)
+        if s == 1:
+            G[0] = None          # no rank had this gradient at this step
+        if s == 2:
+            g[1] = None          # this rank had no local gradient
+        return G, g
+
+    _assert_fused_equals_torch(FusedSGDStep, _model, lambda model: VARIANTS[variant](_groups(model)), grads)
+
+
+def _assert_fused_equals_torch(fused_step, make_model, make_optimizer, grads, steps: int = 5):
+    """``steps`` pipelined steps (``grads(model, params, s)`` gives step s's averaged and local
+    gradients) through ``fused_step`` and through ``optimizer.step()`` + ``TentativeStep``: W,
+    w and the optimizer state (values and dtypes) equal bit for bit."""
     runs = []
     for fused in (False, True):
-        model = _model()
+        model = make_model()
         params = list(model.parameters())
-        opt = VARIANTS[variant](_groups(model))
-        assert FusedSGDStep.unavailable(opt, params) is None
+        opt = make_optimizer(model)
+        assert fused_step.unavailable(opt, params) is None
         W = [p.data for p in params]
         w = [torch.empty_like(p) for p in params]
-        for s in range(5):
-            G, g = _grads(model, 10 + s), _grads(model, 20 + s)
-            if s == 1:
-                G[0] = None          # no rank had this gradient at this step
-            if s == 2:
-                g[1] = None          # this rank had no local gradient
+        for s in range(steps):
+            G, g = grads(model, params, s)
             if fused:
-                FusedSGDStep(opt, params).step(W, G, g, w)
+                fused_step(opt, params).step(W, G, g, w)
             else:
                 for p, x in zip(params, G):
                     p.grad = x
@@ -146,6 +157,7 @@ def test_fused_sgd_step_equals_optimizer_step_then_tentative_step(variant):
         assert st0[k].keys() == st1[k].keys()
         for n in st0[k]:
             assert torch.equal(st0[k][n], st1[k][n]), (k, n)
+            assert st0[k][n].dtype == st1[k][n].dtype, (k, n)
 
 
 def test_fused_sgd_step_says_why_it_is_not_used():
@@ -206,44 +218,28 @@ def test_fused_adam_step_equals_optimizer_step_then_tentative_step(variant):
     """Five pipelined steps (the first creates the state), with parameters that lack the averaged
     gradient, the local one, or both at some steps: W, w and the optimizer state equal
     ``optimizer.step()`` followed by ``TentativeStep.step`` bit for bit."""
-    runs = []
-    for fused in (False, True):
+    def make_model():
         torch.manual_seed(0)
-        model = _Wide()
+        return _Wide()
+
+    def make_optimizer(model):
         params = list(model.parameters())
-        opt = ADAM_FUSED_VARIANTS[variant]([{"params": params[:4]}, {"params": params[4:], "lr": 0.01}])
-        assert FusedAdamStep.unavailable(opt, params) is None
-        W = [p.data for p in params]
-        w = [torch.empty_like(p) for p in params]
-        for s in range(5):
-            torch.manual_seed(10 + s)
-            G = [torch.randn_like(p) * 1e-2 for p in params]
-            g = [torch.randn_like(p) * 1e-2 for p in params]
-            G[-4] = None                 # the small model's last weight: no averaged gradient, ever
-            if s == 1:
-                G[0] = None              # no rank had this gradient at this step
-            if s == 2:
-                g[1] = None              # this rank had no local gradient
-            if s == 3:
-                G[-4], g[-4] = None, None
-            if fused:
-                FusedAdamStep(opt, params).step(W, G, g, w)
-            else:
-                for p, x in zip(params, G):
-                    p.grad = x
-                opt.step()
-                TentativeStep(opt, params).step(W, g, w)
-        state = {k: {n: v.clone() for n, v in st.items()} for k, st in opt.state_dict()["state"].items()}
-        runs.append(([x.clone() for x in W], [x.clone() for x in w], state))
-    (W0, w0, st0), (W1, w1, st1) = runs
-    assert all(torch.equal(a, b) for a, b in zip(W0, W1))
-    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
-    assert st0.keys() == st1.keys()
-    for k in st0:
-        assert st0[k].keys() == st1[k].keys()
-        for n in st0[k]:
-            assert torch.equal(st0[k][n], st1[k][n]), (k, n)
-            assert st0[k][n].dtype == st1[k][n].dtype, (k, n)
+        return ADAM_FUSED_VARIANTS[variant]([{"params": params[:4]}, {"params": params[4:], "lr": 0.01}])
+
+    def grads(model, params, s):
+        torch.manual_seed(10 + s)
+        G = [torch.randn_like(p) * 1e-2 for p in params]
+        g = [torch.randn_like(p) * 1e-2 for p in params]
+        G[-4] = None                 # the small model's last weight: no averaged gradient, ever
+        if s == 1:
+            G[0] = None              # no rank had this gradient at this step
+        if s == 2:
+            g[1] = None              # this rank had no local gradient
+        if s == 3:
+            G[-4], g[-4] = None, None
+        return G, g
+
+    _assert_fused_equals_torch(FusedAdamStep, make_model, make_optimizer, grads)
 
 
 def test_fused_adam_step_says_why_it_is_not_used():

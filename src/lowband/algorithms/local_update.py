@@ -18,7 +18,7 @@ few times and allocates nothing.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -209,7 +209,38 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
                 optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
 
 
-class FusedSGDStep:
+class _FusedStep:
+    """What the fused optimizer steps share: the optimizer, its parameters and their groups, the
+    native library, and the walk over parameters that have a gradient to apply."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
+        from ..compressors import kernels
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.group_of = param_group_of(optimizer, self.params)
+        self._lib = kernels.library()
+
+    def _operands(self, W: Tensors, G: Sequence[Optional[torch.Tensor]], g: Sequence[Optional[torch.Tensor]],
+                  w: Tensors) -> Iterator[tuple[int, torch.nn.Parameter, dict, Optional[torch.Tensor],
+                                                Optional[torch.Tensor]]]:
+        """``(i, parameter, param group, G[i], g[i])`` of every parameter with an averaged or a
+        local gradient (a parameter no group holds has neither); ``w[i] = W[i]`` for the others."""
+        groups = self.optimizer.param_groups
+        for i, p in enumerate(self.params):
+            k = self.group_of[i]
+            Gi = G[i] if k is not None else None
+            gi = g[i] if k is not None else None
+            if Gi is None and gi is None:
+                w[i].copy_(W[i])
+                continue
+            yield i, p, groups[k], Gi, gi
+
+    def _record_step(self) -> None:
+        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            self.optimizer._opt_called = True    # what the scheduler's wrapper of step() records
+
+
+class FusedSGDStep(_FusedStep):
     """``step(W, G, g, w)``: the user's ``torch.optim.SGD`` step of the global weights ``W``
     with the averaged gradients ``G`` (in place, momentum buffers in the optimizer's state,
     as ``optimizer.step()`` leaves them) and the tentative step of ``g`` from the new ``W``
@@ -226,13 +257,6 @@ class FusedSGDStep:
     """
 
     _probe: Optional[bool] = None
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
-        from ..compressors import kernels
-        self.optimizer = optimizer
-        self.params = list(params)
-        self.group_of = param_group_of(optimizer, self.params)
-        self._lib = kernels.library()
 
     @classmethod
     def unavailable(cls, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Optional[str]:
@@ -264,15 +288,8 @@ class FusedSGDStep:
     @torch.no_grad()
     def step(self, W: Tensors, G: Sequence[Optional[torch.Tensor]], g: Sequence[Optional[torch.Tensor]],
              w: Tensors) -> None:
-        lib, groups, state = self._lib, self.optimizer.param_groups, self.optimizer.state
-        for i, p in enumerate(self.params):
-            k = self.group_of[i]
-            Gi = G[i] if k is not None else None
-            gi = g[i] if k is not None else None
-            if Gi is None and gi is None:
-                w[i].copy_(W[i])
-                continue
-            group = groups[k]
+        lib, state = self._lib, self.optimizer.state
+        for i, p, group, Gi, gi in self._operands(W, G, g, w):
             mu, wd = group["momentum"], group["weight_decay"]
             flags = ((_SGD_GLOBAL if Gi is not None else 0) | (_SGD_LOCAL if gi is not None else 0) |
                      (_SGD_MOMENTUM if mu != 0 else 0) | (_SGD_WD if wd != 0 else 0) |
@@ -287,8 +304,7 @@ class FusedSGDStep:
             lib.lb_sgd_pipeline(W[i].data_ptr(), None if buf is None or mu == 0 else buf.data_ptr(),
                                 None if Gi is None else Gi.data_ptr(), None if gi is None else gi.data_ptr(),
                                 w[i].data_ptr(), W[i].numel(), -group["lr"], wd, mu, 1 - group["dampening"], flags)
-        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
-            self.optimizer._opt_called = True    # what the scheduler's wrapper of step() records
+        self._record_step()
 
 
 def _kernel_operand(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -336,7 +352,7 @@ def _adam_group_options(optimizer: torch.optim.Optimizer, group: dict) -> tuple[
     return bool(decoupled), group["weight_decay"]
 
 
-class FusedAdamStep:
+class FusedAdamStep(_FusedStep):
     """:class:`FusedSGDStep` for ``torch.optim.Adam`` and ``AdamW``: the user's optimizer step
     of the global weights ``W`` with the averaged gradients ``G`` (state updated as
     ``optimizer.step()`` leaves it) and the tentative step of ``g`` from the new ``W`` into
@@ -355,11 +371,7 @@ class FusedAdamStep:
     _rounding: Optional[int] = None     # the probed flags; -1: none agrees
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
-        from ..compressors import kernels
-        self.optimizer = optimizer
-        self.params = list(params)
-        self.group_of = param_group_of(optimizer, self.params)
-        self._lib = kernels.library()
+        super().__init__(optimizer, params)
         # per parameter: vg (then sqrt), ml, vl (then sqrt): allocated at the first step
         self._scratch: Optional[list[list[torch.Tensor]]] = None
 
@@ -407,18 +419,11 @@ class FusedAdamStep:
     @torch.no_grad()
     def step(self, W: Tensors, G: Sequence[Optional[torch.Tensor]], g: Sequence[Optional[torch.Tensor]],
              w: Tensors, rounding: Optional[int] = None) -> None:
-        lib, groups, state = self._lib, self.optimizer.param_groups, self.optimizer.state
+        lib, state = self._lib, self.optimizer.state
         rounding = self.rounding() if rounding is None else rounding
         vg, ml, vl = self._buffers()
         jobs, roots = [], []
-        for i, p in enumerate(self.params):
-            k = self.group_of[i]
-            Gi = G[i] if k is not None else None
-            gi = g[i] if k is not None else None
-            if Gi is None and gi is None:
-                w[i].copy_(W[i])
-                continue
-            group = groups[k]
+        for i, p, group, Gi, gi in self._operands(W, G, g, w):
             st = state[p] if Gi is not None or p in state else {}    # (a defaultdict: no entry made)
             if Gi is not None and not st:        # torch's _init_group
                 st["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
@@ -457,8 +462,7 @@ class FusedAdamStep:
         for i, m, flags, bc_g, ss_g, bc_l, ss_l, eps, decay in jobs:
             lib.lb_adam_apply(W[i].data_ptr(), _address(m), vg[i].data_ptr(), w[i].data_ptr(), ml[i].data_ptr(),
                               vl[i].data_ptr(), W[i].numel(), bc_g, ss_g, bc_l, ss_l, eps, decay, flags)
-        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
-            self.optimizer._opt_called = True    # what the scheduler's wrapper of step() records
+        self._record_step()
 
 
 def _address(t: Optional[torch.Tensor]) -> Optional[int]:

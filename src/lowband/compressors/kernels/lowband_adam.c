@@ -25,17 +25,7 @@
  * with weight_decay) is not here: the local step's gradient would need the new W before the
  * square root. Compiled with -ffp-contract=off: only the explicit fmaf calls fuse.
  */
-#include <math.h>
-#include <stdint.h>
-
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define LB_X86_DISPATCH 1
-#define LB_AVX2_FMA __attribute__((target("avx2,fma")))
-#else
-#define LB_X86_DISPATCH 0
-#define LB_AVX2_FMA
-#endif
-#define LB_INLINE static inline __attribute__((always_inline))
+#include "lowband_fma.h"
 
 enum { ADAM_GLOBAL = 1, ADAM_LOCAL = 2, ADAM_STATE = 4, ADAM_DECOUPLED = 8, ADAM_LERP_FMA = 16,
        ADAM_ADDCMUL_FMA = 32, ADAM_LERP_BIG = 64 };
@@ -151,11 +141,6 @@ LB_AVX2_FMA static void apply_avx2_fma(float *W, const float *m, const float *dg
     apply_dispatch(W, m, dg, w, ml, dl, n, bc2s_g, nss_g, bc2s_l, nss_l, eps, decay, flags);
 }
 
-static int have_avx2_fma(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return known;
-}
 #endif
 
 /* m, v: the optimizer's state (read only without ADAM_STATE; written with ADAM_GLOBAL); vg, ml,
@@ -163,7 +148,7 @@ static int have_avx2_fma(void) {
 void lb_adam_moments(float *W, float *m, float *v, const float *G, const float *g, float *ml, float *vl,
                      float *vg, int64_t n, float decay, float w1, float beta2, float c2, int flags) {
 #if LB_X86_DISPATCH
-    if (have_avx2_fma()) {
+    if (lb_have_avx2_fma()) {
         moments_avx2_fma(W, m, v, G, g, ml, vl, vg, n, decay, w1, beta2, c2, flags);
         return;
     }
@@ -176,7 +161,7 @@ void lb_adam_apply(float *W, const float *m, const float *dg, float *w, const fl
                    int64_t n, float bc2s_g, float nss_g, float bc2s_l, float nss_l, float eps, float decay,
                    int flags) {
 #if LB_X86_DISPATCH
-    if (have_avx2_fma()) {
+    if (lb_have_avx2_fma()) {
         apply_avx2_fma(W, m, dg, w, ml, dl, n, bc2s_g, nss_g, bc2s_l, nss_l, eps, decay, flags);
         return;
     }

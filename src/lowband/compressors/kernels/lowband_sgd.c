@@ -18,20 +18,7 @@
  * passes and dispatches per tensor. Compiled with -ffp-contract=off: only the explicit fmaf
  * calls fuse.
  */
-#include <math.h>
-#include <stdint.h>
-
-/* An AVX2+FMA build of the loop chosen at run time by CPU features (not by CPU model, which is
- * what target_clones("arch=...") dispatches on), and a portable one where fmaf may be a libm
- * call: slow, but the same results. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define LB_X86_DISPATCH 1
-#define LB_AVX2_FMA __attribute__((target("avx2,fma")))
-#else
-#define LB_X86_DISPATCH 0
-#define LB_AVX2_FMA
-#endif
-#define LB_INLINE static inline __attribute__((always_inline))
+#include "lowband_fma.h"
 
 enum { SGD_GLOBAL = 1, SGD_HAS_BUF = 2, SGD_LOCAL = 4, SGD_MOMENTUM = 8, SGD_WD = 16,
        SGD_NESTEROV = 32, SGD_MAXIMIZE = 64 };
@@ -162,7 +149,7 @@ void lb_sgd_pipeline(float *W, float *buf, const float *G, const float *g, float
                      float neg_lr, float wd, float mu, float damp1, int flags) {
 #if LB_X86_DISPATCH
     float sgn = (flags & SGD_MAXIMIZE) ? -1.0f : 1.0f;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (lb_have_avx2_fma()) {
         sgd_avx2_fma(W, buf, G, g, w, n, neg_lr, wd, mu, damp1, sgn, flags);
         return;
     }
