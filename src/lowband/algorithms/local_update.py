@@ -18,6 +18,7 @@ few times and allocates nothing.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -437,7 +438,7 @@ class FusedAdamStep(_FusedStep):
                 flags |= _ADAM_STATE
             if decoupled and wd != 0:
                 flags |= _ADAM_DECOUPLED
-            if abs(1 - beta1) >= 0.5:
+            if abs(ctypes.c_float(1 - beta1).value) >= 0.5:     # torch tests the weight as a float
                 flags |= _ADAM_LERP_BIG
             if Gi is not None:
                 st["step"] += 1
