@@ -355,6 +355,9 @@ def _native_or_torch(rank: int, world: int, mode: str, optimizer: str = "sgd"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     engine = lowband.distribute(model, opt, "cpsgd", warmup_steps=2, correction_period=3, bucket_mb=BUCKET_MB)
     fused = engine.bound.fused_step is not None
+    summary = engine.bound.summary()
+    assert summary["fused_step"] == ({"sgd": "FusedSGDStep", "adamw": "FusedAdamStep"}[optimizer] if fused else None)
+    assert (summary["fused_step_unavailable"] is None) == fused
     it = batches(rank, world).epoch(0)
     for _ in range(STEPS):
         x, y = next(it)

@@ -548,6 +548,13 @@ class BoundCPSGD(BoundAlgorithm):
         return {"warmup": self.in_warmup(self.t - 1), "correction_phase": self._last_phase,
                 "correction_period": self._last_period}
 
+    def summary(self) -> dict[str, Any]:
+        """``fused_step``: the native kernel that ran the global step and the local update
+        (``FusedSGDStep``, ``FusedAdamStep``), or None with ``fused_step_unavailable`` saying why;
+        ``corrections``: steps that sent anything exact after the warm-up."""
+        return {"fused_step": None if self.fused_step is None else type(self.fused_step).__name__,
+                "fused_step_unavailable": self.fused_step_unavailable, "corrections": self.corrections}
+
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Works with a step in flight: its average is waited for and saved with W."""
