@@ -267,6 +267,7 @@ def test_micro_batches_flag(tmp_path, capsys):
                            "--max-steps", "6", "--micro-batches", "4", "--run-dir", str(run_dir)])
     assert done.returncode == 0, done.stderr
     assert json.loads((run_dir / "config.json").read_text())["micro_batches"] == 4
+    assert json.loads((run_dir / "summary.json").read_text())["micro_batches"] == 4
     for flags, message in ((["--micro-batches", "0"], "--micro-batches must be an integer >= 1, got 0"),
                            (["--micro-batches", "9", "--batch-size", "8"],
                             "--micro-batches 9 is more than the --batch-size 8 samples")):

@@ -271,7 +271,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             # None: the kernel takes no custom slices (nothing changed)
             "comm_slice_us": cfg.comm_slice_us, "rank0_comm_threads_sliced": comm_slices,
             "malloc": cfg.malloc, "malloc_settings": malloc, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
-            "batch_size": cfg.batch_size, "steps": step, "skipped_steps": stats.skipped_steps,
+            "batch_size": cfg.batch_size, "micro_batches": cfg.micro_batches, "steps": step,
+            "skipped_steps": stats.skipped_steps,
             **metrics, **tasks.describe_data(train, test),
             "wall_s": wall, "train_s": train_time,
             "step_ms": 1e3 * train_time / max(1, step),
