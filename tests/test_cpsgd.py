@@ -382,8 +382,11 @@ def test_native_kernels_and_fused_step_equal_the_torch_path_end_to_end(optimizer
         pytest.skip("native kernels not built")
     native = run_distributed(_native_or_torch, 2, "native", optimizer)
     torch_path = run_distributed(_native_or_torch, 2, "torch", optimizer)
+    from lowband.algorithms.local_update import FusedAdamStep
+    # where no rounding of the Adam kernel matches this torch build, CP-SGD takes torch's ops
+    expect_fused = optimizer == "sgd" or FusedAdamStep.rounding() is not None
     for (p_n, b_n, fused_n), (p_t, b_t, fused_t) in zip(native, torch_path):
-        assert fused_n and not fused_t
+        assert fused_n == expect_fused and not fused_t
         for n in p_n:
             assert torch.equal(p_n[n], p_t[n]), n
         assert all(torch.equal(a, b) for a, b in zip(b_n, b_t))

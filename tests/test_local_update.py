@@ -211,13 +211,23 @@ class _Wide(nn.Module):
         self.wide = nn.Linear(700, 100)
 
 
-@pytest.mark.skipif(kernels.library() is None or not getattr(kernels.library(), "has_adam", False),
-                    reason="native Adam kernel not built")
+def _skip_without_fused_adam() -> None:
+    """Skip (saying why) where the kernel is not built or no rounding of it reproduces this
+    torch build's on this CPU: CP-SGD then takes the torch operations (tested elsewhere)."""
+    lib = kernels.library()
+    if lib is None or not getattr(lib, "has_adam", False):
+        pytest.skip("native Adam kernel not built")
+    if FusedAdamStep.rounding() is None:
+        pytest.skip("no rounding of the native Adam step agrees with this torch build on this CPU")
+
+
 @pytest.mark.parametrize("variant", sorted(ADAM_FUSED_VARIANTS))
 def test_fused_adam_step_equals_optimizer_step_then_tentative_step(variant):
     """Five pipelined steps (the first creates the state), with parameters that lack the averaged
     gradient, the local one, or both at some steps: W, w and the optimizer state equal
-    ``optimizer.step()`` followed by ``TentativeStep.step`` bit for bit."""
+    ``optimizer.step()`` followed by ``TentativeStep.step`` bit for bit (a larger layer than
+    the start-up probe's, where torch's sqrt is not correctly rounded)."""
+    _skip_without_fused_adam()
     def make_model():
         torch.manual_seed(0)
         return _Wide()
@@ -255,6 +265,9 @@ def test_fused_adam_step_says_why_it_is_not_used():
     assert FusedAdamStep.unavailable(opt, params) == "optimizer step hooks are registered"
     handle.remove()
     assert "fp32" in FusedAdamStep.unavailable(opt, [p.detach().half() for p in params])
-    if kernels.library() is not None and getattr(kernels.library(), "has_adam", False):
-        assert FusedAdamStep.unavailable(opt, params) is None
-        assert FusedAdamStep.rounding() is not None
+    lib = kernels.library()
+    if lib is not None and getattr(lib, "has_adam", False):
+        if FusedAdamStep.rounding() is None:
+            assert "no rounding" in FusedAdamStep.unavailable(opt, params)
+        else:
+            assert FusedAdamStep.unavailable(opt, params) is None
