@@ -305,7 +305,9 @@ class BoundCPSGD(BoundAlgorithm):
         fused = FusedAdamStep if closed_form_kind(ctx.optimizer) == "adam" else FusedSGDStep
         self.fused_step_unavailable = ("local_update is not 'optimizer'" if self.cfg.local_update != "optimizer"
                                        else fused.unavailable(ctx.optimizer, ctx.params))
-        self.fused_step = None if self.fused_step_unavailable else fused(ctx.optimizer, ctx.params)
+        # the fused step's work space is the tentative step's (they never run at the same time)
+        self.fused_step = None if self.fused_step_unavailable else fused(ctx.optimizer, ctx.params,
+                                                                         scratch=self.tentative.scratch)
         self.group_of = param_group_of(ctx.optimizer, ctx.params)
         self.w = [p.data for p in ctx.params]                    # compute weights (the model's storage)
         self.W = [torch.empty_like(p) for p in ctx.params]       # global weights, while pipelining

@@ -54,30 +54,42 @@ def closed_form_kind(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return kind
 
 
+class Scratch:
+    """Work space shaped like ``params``: ``lists(n)`` is n lists of one tensor per parameter,
+    allocated at the first call that needs them and kept. Steps that never run at the same time
+    (CP-SGD's tentative step and its fused step) may share one."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.params = list(params)
+        self._lists: list[list[torch.Tensor]] = []
+
+    def lists(self, n: int) -> list[list[torch.Tensor]]:
+        while len(self._lists) < n:
+            self._lists.append([torch.empty_like(p) for p in self.params])
+        return self._lists[:n]
+
+
 class TentativeStep:
     """``step(start, grads, out)``: ``out[i] = optimizer step of start[i] with grads[i]``.
 
     ``params`` are the parameters the optimizer steps (aligned with ``start``/``grads``/``out``);
     a parameter whose gradient is None, or that no param group holds, is copied unchanged (a
     torch optimizer skips it). ``out`` may be ``params`` themselves; it must not alias ``start``.
-    ``generic=True`` forces the fallback (tests compare the two).
+    ``generic=True`` forces the fallback (tests compare the two). ``scratch``: the closed forms'
+    work space (:class:`Scratch`, default its own).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], generic: bool = False):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], generic: bool = False,
+                 scratch: Optional[Scratch] = None):
         self.optimizer = optimizer
         self.params = list(params)
         self.group_of = param_group_of(optimizer, self.params)
         self.kind = None if generic else closed_form_kind(optimizer)
-        self._n_scratch = {"sgd": 2, "adam": 3}.get(self.kind, 0)
-        self._buffers: Optional[list[list[torch.Tensor]]] = None
+        self.scratch = scratch or Scratch(self.params)
 
     @property
     def _scratch(self) -> list[list[torch.Tensor]]:
-        """Buffers of the closed forms, allocated at the first step (CP-SGD with a fused step
-        only takes one for evaluation)."""
-        if self._buffers is None:
-            self._buffers = [[torch.empty_like(p) for p in self.params] for _ in range(self._n_scratch)]
-        return self._buffers
+        return self.scratch.lists({"sgd": 2, "adam": 3}.get(self.kind, 0))
 
     @property
     def closed_form(self) -> bool:
@@ -128,10 +140,10 @@ class TentativeStep:
         torch._foreach_add_([out[i] for i in idx], d, alpha=-lr)
 
     def _adam(self, group: dict, idx: list[int], start: Tensors, grads, out: Tensors) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        lr, eps = group["lr"], group["eps"]
         beta1, beta2 = group["betas"]
         amsgrad = group.get("amsgrad", False)
-        decoupled = group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)
+        decoupled, wd = _adam_group_options(self.optimizer, group)
         states = [self.optimizer.state.get(self.params[i], {}) for i in idx]
         m = [self._scratch[0][i] for i in idx]
         v = [self._scratch[1][i] for i in idx]
@@ -214,12 +226,14 @@ class _FusedStep:
     """What the fused optimizer steps share: the optimizer, its parameters and their groups, the
     native library, and the walk over parameters that have a gradient to apply."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
+                 scratch: Optional[Scratch] = None):
         from ..compressors import kernels
         self.optimizer = optimizer
         self.params = list(params)
         self.group_of = param_group_of(optimizer, self.params)
         self._lib = kernels.library()
+        self.scratch = scratch or Scratch(self.params)    # work space, where a kernel needs one
 
     def _operands(self, W: Tensors, G: Sequence[Optional[torch.Tensor]], g: Sequence[Optional[torch.Tensor]],
                   w: Tensors) -> Iterator[tuple[int, torch.nn.Parameter, dict, Optional[torch.Tensor],
@@ -371,11 +385,6 @@ class FusedAdamStep(_FusedStep):
 
     _rounding: Optional[int] = None     # the probed flags; -1: none agrees
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]):
-        super().__init__(optimizer, params)
-        # per parameter: vg (then sqrt), ml, vl (then sqrt): allocated at the first step
-        self._scratch: Optional[list[list[torch.Tensor]]] = None
-
     @classmethod
     def unavailable(cls, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Optional[str]:
         from ..compressors import kernels
@@ -412,41 +421,31 @@ class FusedAdamStep(_FusedStep):
                     dict(kind="adamw", weight_decay=1e-2, betas=(0.3, 0.9), n=4099)))), -1)
         return None if cls._rounding < 0 else cls._rounding
 
-    def _buffers(self) -> list[list[torch.Tensor]]:
-        if self._scratch is None:
-            self._scratch = [[torch.empty_like(p) for p in self.params] for _ in range(3)]
-        return self._scratch
-
     @torch.no_grad()
     def step(self, W: Tensors, G: Sequence[Optional[torch.Tensor]], g: Sequence[Optional[torch.Tensor]],
              w: Tensors, rounding: Optional[int] = None) -> None:
         lib, state = self._lib, self.optimizer.state
         rounding = self.rounding() if rounding is None else rounding
-        vg, ml, vl = self._buffers()
-        jobs, roots = [], []
+        vg, ml, vl = self.scratch.lists(3)    # vg, vl: the moments whose sqrt torch takes; ml
+        jobs, roots, options = [], [], {}
         for i, p, group, Gi, gi in self._operands(W, G, g, w):
             st = state[p] if Gi is not None or p in state else {}    # (a defaultdict: no entry made)
             if Gi is not None and not st:        # torch's _init_group
                 st["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            lr, eps = group["lr"], group["eps"]
-            beta1, beta2 = group["betas"]
-            decoupled, wd = _adam_group_options(self.optimizer, group)
-            flags = rounding | (_ADAM_GLOBAL if Gi is not None else 0) | (_ADAM_LOCAL if gi is not None else 0)
+            if id(group) not in options:
+                options[id(group)] = self._group_flags(group, rounding)
+            group_flags, lr, eps, beta1, beta2, decay = options[id(group)]
+            flags = group_flags | (_ADAM_GLOBAL if Gi is not None else 0) | (_ADAM_LOCAL if gi is not None else 0)
             if "exp_avg" in st:
                 flags |= _ADAM_STATE
-            if decoupled and wd != 0:
-                flags |= _ADAM_DECOUPLED
-            if abs(ctypes.c_float(1 - beta1).value) >= 0.5:     # torch tests the weight as a float
-                flags |= _ADAM_LERP_BIG
             if Gi is not None:
                 st["step"] += 1
             s_global = float(st["step"]) if "step" in st else 0.0
             s_local = s_global + 1
             Gi, gi = _kernel_operand(Gi), _kernel_operand(gi)
             m, v = (st["exp_avg"], st["exp_avg_sq"]) if "exp_avg" in st else (None, None)
-            decay = 1 - lr * wd
             lib.lb_adam_moments(W[i].data_ptr(), _address(m), _address(v), _address(Gi), _address(gi),
                                 ml[i].data_ptr(), vl[i].data_ptr(), vg[i].data_ptr(), W[i].numel(),
                                 decay, 1 - beta1, beta2, 1 - beta2, flags)
@@ -464,6 +463,15 @@ class FusedAdamStep(_FusedStep):
             lib.lb_adam_apply(W[i].data_ptr(), _address(m), vg[i].data_ptr(), w[i].data_ptr(), ml[i].data_ptr(),
                               vl[i].data_ptr(), W[i].numel(), bc_g, ss_g, bc_l, ss_l, eps, decay, flags)
         self._record_step()
+
+    def _group_flags(self, group: dict, rounding: int) -> tuple[int, float, float, float, float, float]:
+        """A param group's part of the kernel flags, and its lr, eps, betas and decay factor."""
+        beta1, beta2 = group["betas"]
+        decoupled, wd = _adam_group_options(self.optimizer, group)
+        flags = rounding | (_ADAM_DECOUPLED if decoupled and wd != 0 else 0)
+        if abs(ctypes.c_float(1 - beta1).value) >= 0.5:     # torch tests the weight as a float
+            flags |= _ADAM_LERP_BIG
+        return flags, group["lr"], group["eps"], beta1, beta2, 1 - group["lr"] * wd
 
 
 def _address(t: Optional[torch.Tensor]) -> Optional[int]:
