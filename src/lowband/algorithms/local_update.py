@@ -113,7 +113,8 @@ class TentativeStep:
     def _sgd(self, group: dict, idx: list[int], start: Tensors, grads, out: Tensors) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
         dampening, nesterov = group["dampening"], group["nesterov"]
-        d = [self._scratch[0][i] for i in idx]
+        scratch = self._scratch
+        d = [scratch[0][i] for i in idx]
         torch._foreach_copy_(d, [grads[i] for i in idx])
         if group.get("maximize", False):
             torch._foreach_neg_(d)
@@ -122,7 +123,7 @@ class TentativeStep:
             torch._foreach_add_(d, w, alpha=wd)
         if momentum != 0:
             states = [self.optimizer.state.get(self.params[i], {}) for i in idx]
-            bufs = [self._scratch[1][i] for i in idx]
+            bufs = [scratch[1][i] for i in idx]
             old = [st.get("momentum_buffer") for st in states]
             fresh = [b for b, o in zip(bufs, old) if o is None]
             if fresh:                                   # first step: buf = grad
@@ -145,9 +146,10 @@ class TentativeStep:
         amsgrad = group.get("amsgrad", False)
         decoupled, wd = _adam_group_options(self.optimizer, group)
         states = [self.optimizer.state.get(self.params[i], {}) for i in idx]
-        m = [self._scratch[0][i] for i in idx]
-        v = [self._scratch[1][i] for i in idx]
-        denom = [self._scratch[2][i] for i in idx]      # first the (decayed) gradient, then the denominator
+        scratch = self._scratch
+        m = [scratch[0][i] for i in idx]
+        v = [scratch[1][i] for i in idx]
+        denom = [scratch[2][i] for i in idx]      # first the (decayed) gradient, then the denominator
         o = [out[i] for i in idx]
         g = [grads[i] for i in idx]
         if group.get("maximize", False) or (wd != 0 and not decoupled):
