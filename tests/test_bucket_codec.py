@@ -513,3 +513,15 @@ def test_a_plans_skip_tables_are_cached_and_equal_to_skip_ranges(monkeypatch):
     for lo in range(10):
         plan.worker_skip(lo, lo + 5, None)
     assert len(plan._skips) <= 3
+
+
+def test_run_tables_remember_their_addresses():
+    """The kernels' calls read a run table's address from ``_Runs.address`` (cached for the
+    tables it made; numpy's ``ctypes.data`` costs ~1 us a read): it must be the table's own
+    address, for its tables, for another table, and for a copy of one."""
+    bc = _bucket(CODECS[2], [37, 300, 5], 3)
+    enc = bc.enc
+    for table in (bc._enc_table, enc.encode_table(), enc.decode_table()):
+        assert enc.address(table) == table.ctypes.data
+        other = table.copy()
+        assert enc.address(other) == other.ctypes.data != table.ctypes.data
