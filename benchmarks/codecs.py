@@ -3,7 +3,9 @@
 Every number is compared with ``torch.clone`` of the same tensor, measured in the same run.
 That is the memory-bound limit of a single pass that reads and writes the tensor, allocation
 included. ``copy_`` into a preallocated buffer is shown as well, because the EF encoder writes
-its residual in place and so pays no allocation. Timings are the minimum over ``--reps``
+its residual in place and so pays no allocation; it is also the steadier yardstick (whether
+``clone``'s allocation comes back cache-warm moved it 2x between two runs on one host).
+Timings are the minimum over ``--reps``
 repetitions after one warm-up call, which filters noise from other processes.
 
 The default table is the fused bucket codecs the collectives use (``--table bucket``): 2-bit
@@ -117,9 +119,11 @@ def model_buckets(name: str, bucket_mb: float = 1.0) -> list[list[tuple[str, int
 
 
 def bucket_cases(sizes: list[int], models: list[str], workers: list[int], reps: int):
-    """Every case of the bucket table: ``(label, layout, title, clone_bw, encode, decode,
-    encoded_bytes, decoded_bytes)`` with ``encode`` / ``decode`` callables (the inputs built once,
-    ``clone`` of the same elements timed with them)."""
+    """Every case of the bucket table: ``(label, layout, title, (clone_bw, copy_bw), encode,
+    decode, encoded_bytes, decoded_bytes)`` with ``encode`` / ``decode`` callables (the inputs
+    built once, ``clone`` of the same elements and a ``copy_`` of them into a kept buffer timed
+    with them: ``clone`` is the issue's yardstick, but it allocates, and whether a run's
+    allocation comes back cache-warm moves it up to 2x on one host; ``copy_`` shows that)."""
     from lowband.collectives.compressed import make_plan
     gen = torch.Generator().manual_seed(0)
     cases = [(f"{n:,} elements", [[("x", n)]], [1]) for n in sizes]
@@ -128,6 +132,8 @@ def bucket_cases(sizes: list[int], models: list[str], workers: list[int], reps: 
         total = sum(n for b in buckets for _, n in b)
         x = torch.randn(total, generator=gen)
         clone_bw = total * FP32_BYTES / GB / best_time(lambda: x.clone(), reps)
+        dst = torch.empty_like(x)
+        copy_bw = total * FP32_BYTES / GB / best_time(lambda: dst.copy_(x), reps)
         for world in ns:
             for title, codec_name, options in BUCKET_CODECS:
                 codec = make_compressor(codec_name, **options)
@@ -150,7 +156,7 @@ def bucket_cases(sizes: list[int], models: list[str], workers: list[int], reps: 
                         p.worker.decode(src, world, p.dec1, p.dec1_table, out, True, float(world))
                 decoded = world * sum(int(p.server_layout.total) for p in plans)
                 layout = "flat, N=1" if world == 1 else f"two-stage, N={world}"
-                yield (f"{label} ({total:,})", layout, title, clone_bw, encode, decode,
+                yield (f"{label} ({total:,})", layout, title, (clone_bw, copy_bw), encode, decode,
                        total * FP32_BYTES, decoded * FP32_BYTES)
 
 
@@ -158,11 +164,12 @@ def run_buckets(sizes: list[int], models: list[str], workers: list[int], reps: i
     lines = ["| input | layout | codec | encode+EF GB/s | x clone | decode+average GB/s | x clone |",
              "|---|---|---|---|---|---|---|"]
     shown = set()
-    for label, layout, title, clone_bw, encode, decode, enc_bytes, dec_bytes in \
+    for label, layout, title, (clone_bw, copy_bw), encode, decode, enc_bytes, dec_bytes in \
             bucket_cases(sizes, models, workers, reps):
         if label not in shown:
             shown.add(label)
             lines.append(f"| {label} | | torch.clone | {clone_bw:.2f} | 1.00 | | |")
+            lines.append(f"| {label} | | copy_ (no alloc) | {copy_bw:.2f} | {copy_bw / clone_bw:.2f} | | |")
         label = label.rsplit(" (", 1)[0]
         enc_bw = enc_bytes / GB / best_time(encode, reps)
         dec_bw = dec_bytes / GB / best_time(decode, reps)
