@@ -515,13 +515,16 @@ def test_a_plans_skip_tables_are_cached_and_equal_to_skip_ranges(monkeypatch):
     assert len(plan._skips) <= 3
 
 
-def test_run_tables_remember_their_addresses():
+def test_run_tables_are_built_once_and_remember_their_addresses():
     """The kernels' calls read a run table's address from ``_Runs.address`` (cached for the
     tables it made; numpy's ``ctypes.data`` costs ~1 us a read): it must be the table's own
-    address, for its tables, for another table, and for a copy of one."""
+    address, for its tables and for a copy of one. Each table is built once and read-only, so
+    neither a caller asking per step nor one writing into it can make the cache wrong."""
     bc = _bucket(CODECS[2], [37, 300, 5], 3)
     enc = bc.enc
-    for table in (bc._enc_table, enc.encode_table(), enc.decode_table()):
+    assert enc.encode_table() is bc._enc_table and enc.decode_table() is enc.decode_table()
+    for table in (bc._enc_table, enc.decode_table()):
         assert enc.address(table) == table.ctypes.data
+        assert not table.flags.writeable
         other = table.copy()
         assert enc.address(other) == other.ctypes.data != table.ctypes.data

@@ -159,28 +159,34 @@ class _Runs:
         self.src, self.length, self.c, self.dst, self.seg, self.chunk_index = src, length, c, dst, seg, chunk_index
         self.words = words
         self.count = len(src)
-        self._addresses: dict[int, tuple[np.ndarray, int]] = {}
+        self._tables: dict[str, tuple[np.ndarray, int]] = {}   # kind -> (read-only table, its address)
 
     def encode_table(self) -> np.ndarray:
-        """rows: src element, len, c, dst int32 word, dst int32 scale (dst bytes / 4 + words)."""
-        return self._remembered(np.stack(
-            [self.src, self.length, self.c, self.dst // 4, self.dst // 4 + self.words], axis=1))
+        """rows: src element, len, c, dst int32 word, dst int32 scale (dst bytes / 4 + words).
+        Built once (read-only): every call returns the same array."""
+        return self._table("encode", lambda: [self.src, self.length, self.c, self.dst // 4,
+                                              self.dst // 4 + self.words])
 
     def decode_table(self) -> np.ndarray:
-        """rows: src int32 word, src int32 scale, c, dst element, len (src = payload bytes / 4)."""
-        return self._remembered(np.stack(
-            [self.src // 4, self.src // 4 + self.words, self.c, self.dst, self.length], axis=1))
+        """rows: src int32 word, src int32 scale, c, dst element, len (src = payload bytes / 4).
+        Built once (read-only): every call returns the same array."""
+        return self._table("decode", lambda: [self.src // 4, self.src // 4 + self.words, self.c, self.dst,
+                                              self.length])
 
-    def _remembered(self, rows: np.ndarray) -> np.ndarray:
-        table = np.ascontiguousarray(rows.astype(np.int64))
-        self._addresses[id(table)] = (table, table.ctypes.data)   # held here, so no other object gets its id
-        return table
+    def _table(self, kind: str, columns) -> np.ndarray:
+        if kind not in self._tables:
+            table = np.ascontiguousarray(np.stack(columns(), axis=1).astype(np.int64))
+            table.flags.writeable = False
+            self._tables[kind] = (table, table.ctypes.data)
+        return self._tables[kind][0]
 
     def address(self, table: np.ndarray) -> int:
-        """``table.ctypes.data``, remembered for the tables this object made (numpy builds a ctypes
+        """``table.ctypes.data``, remembered for this object's own tables (numpy builds a ctypes
         object on every read of ``ctypes.data``: ~1 us, a tenth of a small bucket's encode call)."""
-        known = self._addresses.get(id(table))
-        return known[1] if known is not None else table.ctypes.data
+        for own, addr in self._tables.values():
+            if own is table:
+                return addr
+        return table.ctypes.data
 
 
 def skip_ranges(base: np.ndarray, length: np.ndarray, c: np.ndarray, seg: np.ndarray, lo: int, hi: int,

@@ -330,10 +330,10 @@ def _levels(L: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, in
 
 
 def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    t = torch.from_numpy(np.array(arr, order="C"))   # a writable copy: the run tables are read-only
     if device.type == "cuda":   # pinned + non_blocking: the host never waits for the device
         return t.pin_memory().to(device, non_blocking=True)
-    return t.clone().to(device)
+    return t.to(device)
 
 
 class _Plan:
