@@ -23,6 +23,9 @@
 #             (the average in the bucket, the gradients its views)
 #   train-1   the same, 1 rank over NCCL
 #   train-N-nccl  (2 or more GPUs only) the same, one rank per GPU (up to 4) over NCCL
+#   train-2-extras  2 ranks over gloo: --micro-batches 2 (gradient accumulation) for ssgd,
+#             compressed, cpsgd and lazy, and AdamW under compressed and cpsgd (which fused
+#             optimizer step cpsgd took, or why none, is printed)
 #   profile   torch.profiler over steady steps of noop, ssgd, compressed and cpsgd at one rank
 #             (benchmarks/step_profile.py): where a small model's step goes on the GPU, host
 #             and device, per operator (runs last, alone)
@@ -139,6 +142,29 @@ EOF
     ! grep -q FAILED "$dir/status.txt"
 }
 
+extras() {   # extras DEVICE: what train-2 leaves out, 2 ranks over gloo: gradient accumulation
+    # (--micro-batches 2: engine.no_sync() with CUDA gradients) for the main algorithms, and AdamW
+    # under cpsgd (on CUDA its local update takes TentativeStep's torch operations: the fused
+    # native step is CPU-only) and compressed; past the same short warm-ups as train
+    local device=${1:-cuda} dir=$WORK/bench-extras rc=0
+    export LOWBAND_BACKEND=gloo
+    mkdir -p "$dir"
+    local common=(--device "$device" --workers 2 --timeout 60 --dataset synthetic --max-steps "$STEPS" --no-progress)
+    "$PY" -m lowband.cli bench "${common[@]}" --micro-batches 2 --out "$dir/micro" \
+        --algorithms ssgd,compressed:warmup_steps=3,cpsgd:warmup_steps=3:correction_period=3,lazy || rc=1
+    "$PY" -m lowband.cli bench "${common[@]}" --optimizer adamw --lr 0.001 --out "$dir/adamw" \
+        --algorithms compressed:warmup_steps=3,cpsgd:warmup_steps=3:correction_period=3 || rc=1
+    "$PY" - "$dir/adamw" <<'EOF2' || rc=1
+import glob, json, os, sys
+found = sorted(glob.glob(os.path.join(sys.argv[1], "runs", "*cpsgd*", "summary.json")))
+for path in found:   # the run's summary: which fused optimizer step cpsgd took, or why none
+    summary = json.load(open(path)).get("algorithm_summary") or {}
+    print(os.path.basename(os.path.dirname(path)), {k: summary.get(k) for k in ("fused_step", "fused_step_unavailable")})
+sys.exit(0 if found else "no cpsgd summary.json under " + sys.argv[1])
+EOF2
+    return $rc
+}
+
 tests() {   # the CUDA-marked tests; the Triton kernels' file too where triton imports
     local files=(tests/test_cuda.py)
     if [ -f tests/test_triton_codecs.py ] && "$PY" -c "import triton" 2>/dev/null; then
@@ -170,13 +196,15 @@ main() {
         part train-1 150 1 bash -c "train 1 nccl" &
         if [ ${#extra[@]} -gt 0 ]; then part "${extra[0]}" 200 1 bash -c "train $nccl_ranks nccl" & fi
         wait
+        part train-2-extras 150 1 bash -c "extras cuda"
     else
         part tests 280 1 bash -c tests
         part train-2 160 1 bash -c "train 2 gloo"
         part train-1 100 1 bash -c "train 1 nccl"
         if [ ${#extra[@]} -gt 0 ]; then part "${extra[0]}" 160 1 bash -c "train $nccl_ranks nccl"; fi
+        part train-2-extras 120 1 bash -c "extras cuda"
     fi
-    show tests train-2 train-1 "${extra[@]}"
+    show tests train-2 train-1 "${extra[@]}" train-2-extras
     part profile 120 1 "$PY" benchmarks/step_profile.py --device cuda --algorithms noop,ssgd,compressed,cpsgd --top 12
     show profile
     if [ -n "${OUT:-}" ]; then
@@ -190,7 +218,7 @@ main() {
     return $FAILED
 }
 
-export -f versions bench_one train tests   # parts run as `timeout bash -c NAME`
+export -f versions bench_one train extras tests   # parts run as `timeout bash -c NAME`
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     main 2>&1 | tee "$OUT/gpu_check.txt"
