@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from lowband import cli
+
 from .test_data import FILES, make_fake_dataset
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -89,10 +91,10 @@ def test_bench_goes_on_after_a_failed_run_and_exits_nonzero(tmp_path, monkeypatc
 
     real = bench_module.run_on_link
 
-    def first_fails(cfg, rate):
+    def first_fails(cfg, rate, burst=None):
         if cfg.algorithm == "ssgd":
             raise RunFailed(cfg, LaunchResult(returncode=3, failed_rank=1, returncodes=[0, 3]))
-        return real(cfg, rate)
+        return real(cfg, rate, burst)
 
     monkeypatch.setattr(bench_module, "run_on_link", first_fails)
     out = tmp_path / "bench"
@@ -104,3 +106,36 @@ def test_bench_goes_on_after_a_failed_run_and_exits_nonzero(tmp_path, monkeypatc
     assert [r["algorithm"] for r in results["rows"]] == ["noop"]
     assert results["failed"] == ["ssgd x2 over none"]
     assert "1 of 2 runs failed: ssgd x2 over none" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--burst", "8kb"], "--burst shapes emulated links; it needs --bandwidth with a rate (e.g. 8mbit)"),
+    (["--burst", "8kb", "--bandwidth", "none"], "--burst shapes emulated links"),
+    (["--burst", "1kb", "--bandwidth", "8mbit"], "--burst: burst must be at least 2048 bytes"),
+    (["--burst", "8kbit", "--bandwidth", "8mbit"], "--burst: invalid size '8kbit'"),
+])
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_bad_burst_is_one_usage_line(command, args, message, capsys):
+    assert cli.main([command, *args, "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lowband: error: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_burst_reaches_every_emulated_run(command, monkeypatch, tmp_path):
+    """``--burst`` is parsed once (bytes) and handed to each run on a link; 'auto' is None."""
+    from lowband import bench as bench_module, netem
+    seen = []
+
+    def fake_run(cfg, rate, burst=None):
+        seen.append((rate, burst))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench_module, "run_on_link", fake_run)
+    monkeypatch.setattr(netem, "check_available", lambda: None)
+    monkeypatch.setattr(netem, "cleanup_stale", lambda: None)
+    out = ["--run-dir", str(tmp_path / "t")] if command == "train" else ["--out", str(tmp_path / "b")]
+    for burst, expected in (("8kb", 8192), ("auto", None)):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--bandwidth", "8mbit", "--burst", burst, "--max-steps", "1", *out])
+    assert seen == [(8_000_000, 8192), (8_000_000, None)]

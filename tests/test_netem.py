@@ -18,7 +18,7 @@ import pytest
 
 from lowband import netem
 from lowband.collectives.wire import allreduce_bytes
-from lowband.netem import EmulatedCluster, cleanup_stale, parse_rate
+from lowband.netem import EmulatedCluster, check_burst, cleanup_stale, parse_rate
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -99,6 +99,45 @@ def test_rejects_bad_arguments() -> None:
 # ---------------------------------------------------------------- real cluster
 
 
+def _all_reduce_on(cluster: EmulatedCluster, size: int) -> list[dict]:
+    """Each rank's JSON line from netem_worker.py: one all_reduce of ``size`` bytes, timed."""
+    world, procs = cluster.world_size, []
+    for r in range(world):
+        env = {**_child_env(), **cluster.worker_env(r), "RANK": str(r), "WORLD_SIZE": str(world),
+               "MASTER_PORT": MASTER_PORT}
+        procs.append(subprocess.Popen(
+            cluster.worker_prefix(r) + [sys.executable, str(WORKER), "--bytes", str(size)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=45)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_check_burst() -> None:
+    assert check_burst(8192) == "8192b" and check_burst(2048) == "2048b"
+    with pytest.raises(ValueError, match="at least 2048 bytes"):
+        check_burst(1500)
+
+
+@needs_netns
+def test_a_message_within_the_automatic_bucket_passes_at_line_speed_but_not_within_a_small_one() -> None:
+    """tbf lets a full bucket through at line speed: after an idle period, a 48 KB all-reduce at
+    8 Mbit/s (48 ms of wire per rank) takes a few ms under the automatic 96 KB bucket, and about
+    its wire time under an 8 KB one (``--burst 8kb``: a link that does not burst)."""
+    rate, size = parse_rate("8mbit"), 48 * 1024
+    assert rate is not None
+    wire_s = allreduce_bytes(size, 2) * 8 / rate
+    seconds = {}
+    for burst in (None, check_burst(8 * 1024)):
+        with EmulatedCluster(2, rate, burst=burst) as c:
+            seconds[burst] = max(res["times"][0] for res in _all_reduce_on(c, size))
+    assert seconds[None] < 0.5 * wire_s, (seconds, wire_s)
+    assert seconds["8192b"] >= 0.7 * wire_s, (seconds, wire_s)
+
+
 @needs_netns
 def test_shaped_gloo_allreduce() -> None:
     world, rate, size = 2, parse_rate("100mbit"), 8 * 2**20
@@ -107,18 +146,7 @@ def test_shaped_gloo_allreduce() -> None:
         run_id = c.run_id
         assert _leftovers(run_id)  # sanity: the probe sees live state
         before = c.link_counters()
-        procs = []
-        for r in range(world):
-            env = {**_child_env(), **c.worker_env(r), "RANK": str(r), "WORLD_SIZE": str(world),
-                   "MASTER_PORT": MASTER_PORT}
-            procs.append(subprocess.Popen(
-                c.worker_prefix(r) + [sys.executable, str(WORKER), "--bytes", str(size)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=45)
-            assert p.returncode == 0, err[-2000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        results = _all_reduce_on(c, size)
         after = c.link_counters()
         # qdiscs really are on both ends
         qd = subprocess.run(["tc", "-n", c.hub_ns, "qdisc"], capture_output=True, text=True).stdout

@@ -128,15 +128,18 @@ def rank_stats(run_dir: str, workers: int) -> list[dict[str, Any]]:
     return out
 
 
-def run_on_link(cfg: TrainConfig, rate_bits: Optional[int]) -> dict[str, Any]:
+def run_on_link(cfg: TrainConfig, rate_bits: Optional[int], burst_bytes: Optional[int] = None) -> dict[str, Any]:
     """Run ``cfg`` over an emulated link of ``rate_bits`` (None: plain loopback) and return
-    its row, with the links' kernel byte counters beside lowband's own accounting."""
+    its row, with the links' kernel byte counters beside lowband's own accounting.
+    ``burst_bytes``: the links' tbf bucket (None: netem's automatic one), recorded in the row."""
     from . import netem
 
     if rate_bits is None:
         result = run_config(cfg)
         return result.row(**_accounting(cfg, None))
-    with netem.EmulatedCluster(cfg.workers, rate_bits) as cluster:
+    burst = None if burst_bytes is None else netem.check_burst(burst_bytes)
+    with netem.EmulatedCluster(cfg.workers, rate_bits, burst=burst) as cluster:
+        burst = cluster.burst
         before = cluster.link_counters()
         def env(rank: int) -> dict:
             # c10d warns once per connection that a namespace address has no hostname: noise
@@ -145,7 +148,7 @@ def run_on_link(cfg: TrainConfig, rate_bits: Optional[int]) -> dict[str, Any]:
         after = cluster.link_counters()
     link_tx = sum(after[r][0] - before[r][0] for r in range(cfg.workers))
     link_rx = sum(after[r][1] - before[r][1] for r in range(cfg.workers))
-    return result.row(**_accounting(cfg, (link_tx, link_rx)))
+    return result.row(**_accounting(cfg, (link_tx, link_rx)), link_burst=burst)
 
 
 def _accounting(cfg: TrainConfig, link: Optional[tuple[int, int]]) -> dict[str, Any]:

@@ -59,6 +59,33 @@ def _by_task(key: str) -> str:
     return f"default: {image}; {', '.join(LANGUAGE_MODELS)}: {text}".replace("%", "%%")
 
 
+def add_burst_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--burst", default="auto",
+                   help="token bucket of each emulated link (tc tbf's burst), e.g. 8kb: after an idle "
+                        "period that many bytes pass at line speed. 'auto' (default): max(96kb, 2 ms of the "
+                        "rate), cheap for the emulator's CPU but a message that fits passes at line speed "
+                        "whenever a compute step refills the bucket; a few kb model a link that never "
+                        "bursts (docs/netem.md)")
+
+
+def parse_burst(text: str, bandwidth: str) -> Optional[int]:
+    """``--burst``: None for 'auto', else bytes (at least one MTU frame); a usage error for a bad
+    value or when ``--bandwidth`` asks for no emulated link (with --fallback-loopback on a
+    machine without emulation the value is then simply unused)."""
+    if text.strip().lower() == "auto":
+        return None
+    from .netem import check_burst
+    from .perf.network import parse_bytes
+    try:
+        value = int(parse_bytes(text))
+        check_burst(value)
+    except ValueError as e:
+        raise UsageError(f"--burst: {e}") from None
+    if all(label.strip().lower() in ("", "none") for label in bandwidth.split(",")):
+        raise UsageError("--burst shapes emulated links; it needs --bandwidth with a rate (e.g. 8mbit)")
+    return value
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by `train` and `bench` (everything except algorithm and worker count)."""
     d = TrainConfig()
@@ -234,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cosine schedule is stretched from the resume point to the new end)")
     t.add_argument("--bandwidth", default="none",
                    help="emulated per-worker link rate, e.g. 1gbit, 200mbit (needs root; default: %(default)s = loopback)")
+    add_burst_argument(t)
     add_run_arguments(t)
 
     b = sub.add_parser("bench", help="run algorithms side by side over emulated links",
@@ -247,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated algorithm names, each optionally with its own options as "
                         "NAME:KEY=VALUE[:KEY=VALUE] (default: %(default)s)")
     b.add_argument("--bandwidth", default="none", help="comma-separated link rates, e.g. none,1gbit,200mbit (default: %(default)s)")
+    add_burst_argument(b)
     b.add_argument("--workers", default="2", help="comma-separated worker counts (default: %(default)s)")
     b.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
     b.add_argument("--fallback-loopback", action="store_true",
@@ -340,6 +369,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             print_summary(summary)
         return 0
     cfg = config_from_args(args, args.algorithm, args.workers, run_dir)
+    burst = parse_burst(args.burst, args.bandwidth)
     rate = parse_bandwidths(args.bandwidth, fallback=False, workers=[cfg.workers])[0][1]
     if cfg.resume:
         try:   # the workers check again; this turns the common mistakes into a usage error
@@ -349,12 +379,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         except CheckpointError as e:
             raise UsageError(str(e)) from None
     try:
-        row = run_on_link(cfg, rate)
+        row = run_on_link(cfg, rate, burst)
     except RunFailed as e:
         print(f"lowband: error: {e.result.describe()}", file=sys.stderr)
         return e.result.returncode
     print(format_table([row]))
-    link = "loopback" if rate is None else f"link {args.bandwidth} per worker, both directions"
+    link = "loopback" if rate is None else \
+        f"link {args.bandwidth} per worker, both directions, tbf burst {row.get('link_burst')}"
     print(f"run directory: {cfg.run_dir} ({link}; device {row.get('device', cfg.device)}, "
           f"backend {row.get('backend', 'gloo')})")
     return 0
@@ -419,6 +450,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise UsageError(f"--repeat must be an integer >= 1, got {args.repeat}")
     check_output_dir(args.out, "--out")
+    burst = parse_burst(args.burst, args.bandwidth)
     links = parse_bandwidths(args.bandwidth, fallback=args.fallback_loopback, workers=workers)
     configs = []
     for li, (label, rate) in enumerate(links):
@@ -455,7 +487,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"[{i}/{len(configs)}] {spec} x{cfg.workers} over {label} on {cfg.device}"
               + (f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
         try:
-            row = run_on_link(cfg, rate)
+            row = run_on_link(cfg, rate, burst)
         except RunFailed as e:
             print(f"lowband: error: {e}", file=sys.stderr)
             failed.append((what, e.result.returncode or 1))

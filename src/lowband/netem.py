@@ -211,6 +211,19 @@ def parse_rate(text: str) -> int | None:
     return bits
 
 
+#: The smallest tbf bucket lowband accepts: one full MTU frame (1,514 bytes) must fit, or tbf
+#: drops every frame that is not a GSO packet it can cut.
+MIN_EXPLICIT_BURST_BYTES = 2048
+
+
+def check_burst(burst_bytes: int) -> str:
+    """An explicit tbf bucket (bytes) in tc syntax, or ``ValueError`` when one frame would not fit."""
+    if burst_bytes < MIN_EXPLICIT_BURST_BYTES:
+        raise ValueError(f"burst must be at least {MIN_EXPLICIT_BURST_BYTES} bytes (2kb: one MTU frame), "
+                         f"got {burst_bytes}")
+    return f"{int(burst_bytes)}b"
+
+
 def auto_burst(rate_bits: int | None) -> str:
     """Default tbf burst for a rate, in tc syntax (bytes): see AUTO_BURST_S."""
     if rate_bits is None:
@@ -335,9 +348,12 @@ class EmulatedCluster:
         terminate_stragglers: bool = True,
     ) -> None:
         """burst/latency are tbf parameters (tc syntax).  burst None = automatic:
-        max(64 KiB, AUTO_BURST_S of the rate), i.e. 64kb up to 262 mbit and 250000b at
-        1gbit (see AUTO_BURST_S for why not always 64kb).  latency 50ms bounds the tbf
-        queue (bufferbloat) without dropping TCP's normal bursts.
+        max(MIN_BURST_BYTES (96 KB), AUTO_BURST_S of the rate), i.e. 96 KB up to 393 mbit and
+        250000b at 1gbit (see AUTO_BURST_S and MIN_BURST_BYTES).  A message up to the bucket
+        passes at line speed once the link has been idle long enough to refill it (e.g. during
+        a compute step): give a small burst (:func:`check_burst`) to model a link that never
+        bursts.  latency 50ms bounds the tbf queue (bufferbloat) without dropping TCP's normal
+        bursts.
         terminate_stragglers: on close, kill processes still inside the worker
         namespaces (they would hang in gloo without a network)."""
         if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
