@@ -93,18 +93,20 @@ class Engine:
         #: and that the algorithm has not been told about since (:meth:`_deliver_accumulated`)
         self._accumulating = 0
         self._accumulated: set[int] = set()
-        self._deliver = [self._make_delivery(i) for i in range(len(self.params))]
+        self._deliver: list = []    # per parameter, what its hook does outside no_sync()
         if bound.uses_gradient_hooks or self.guard.active:
+            self._deliver = [self._make_delivery(i) for i in range(len(self.params))]
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     # -- setup ---------------------------------------------------------------------------
     def _make_delivery(self, index: int):
         """What the gradient hook of parameter ``index`` does outside :meth:`no_sync`: tell the
-        algorithm (through the finiteness guard when it is active)."""
+        algorithm (through the finiteness guard when it is active). Only made when hooks are
+        registered, i.e. when the algorithm uses them or the guard is active."""
         guard, forward = self.guard, self._forward
         if not guard.active:
-            return (lambda: None) if forward is None else (lambda: forward(index))
+            return lambda: forward(index)
         return lambda: guard.on_gradient(index, forward)
 
     def _make_hook(self, index: int):
