@@ -37,7 +37,7 @@ def _child_env() -> dict[str, str]:
 
 def _leftovers(run_id: str) -> list[str]:
     """Any netns or link (in the host or any namespace) carrying this run's names."""
-    found = [n for n in netem._list_netns() if f"-{run_id}-" in n]
+    found = [n for n in netem.cluster._list_netns() if f"-{run_id}-" in n]
     host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     found += [line for line in host_links.splitlines() if f"lb{run_id}" in line]
     all_links = subprocess.run(["ip", "-all", "netns", "exec", "ip", "-o", "link"],
@@ -80,7 +80,7 @@ def test_check_available_explains_missing_root_and_tools(monkeypatch: pytest.Mon
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in (netem.check_available() or "")
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(netem.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(netem.cluster.shutil, "which", lambda tool: None)
     assert "`ip`" in (netem.check_available() or "")
 
 
@@ -191,8 +191,8 @@ def test_connections_over_the_emulated_link_use_the_linux_default_congestion_con
                         if algos:
                             seen[r] = algos
                     time.sleep(0.1)
-                assert seen == {0: {netem.CONGESTION_CONTROL}, 1: {netem.CONGESTION_CONTROL}}
-                assert netem.CONGESTION_CONTROL == "cubic"
+                assert seen == {0: {netem.cluster.CONGESTION_CONTROL}, 1: {netem.cluster.CONGESTION_CONTROL}}
+                assert netem.cluster.CONGESTION_CONTROL == "cubic"
             finally:
                 client.communicate("", timeout=10)
         finally:
@@ -244,7 +244,7 @@ def _start_owner(run_id: str) -> tuple[subprocess.Popen[str], int]:
 def _gone(pid: int, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if netem._proc_starttime(pid) is None or netem._is_zombie(pid):
+        if netem.cluster._proc_starttime(pid) is None or netem.cluster._is_zombie(pid):
             return True
         time.sleep(0.05)
     return False
@@ -272,7 +272,7 @@ def test_sigkilled_owner_is_cleaned_by_cleanup_stale() -> None:
     for f in (p.stdout, p.stderr):
         if f is not None:
             f.close()
-    assert len([n for n in netem._list_netns() if f"-{run_id}-" in n]) == 3  # hub + 2 workers survive
+    assert len([n for n in netem.cluster._list_netns() if f"-{run_id}-" in n]) == 3  # hub + 2 workers survive
     removed = cleanup_stale()
     assert sum(f"-{run_id}" in r for r in removed) == 4  # 3 namespaces + state file
     assert _leftovers(run_id) == []

@@ -30,7 +30,7 @@ def start(run_dir: Path, steps: int, rate: str = "100mbit") -> subprocess.Popen:
 
 
 def namespaces_of(pid: int) -> list[str]:
-    return [n for n in netem._list_netns() if n.startswith(f"{netem.NS_PREFIX}-{pid}-")]
+    return [n for n in netem.cluster._list_netns() if n.startswith(f"{netem.NS_PREFIX}-{pid}-")]
 
 
 def wait_for_steps(run_dir: Path, proc: subprocess.Popen, count: int) -> None:
@@ -60,7 +60,7 @@ def test_killed_worker_fails_the_run_and_cleans_up(tmp_path):
     ns = namespaces_of(proc.pid)
     worker_ns = [n for n in ns if n.endswith("-w1")]
     assert worker_ns, ns
-    pids = netem._netns_pids(worker_ns[0])
+    pids = netem.cluster._netns_pids(worker_ns[0])
     assert pids
     os.kill(pids[0], signal.SIGKILL)
     out, err = proc.communicate(timeout=DEADLINE_S)
