@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 venv: $(BIN)/.installed
 
 # the native kernels are built by this install too (setup.py), so their source is a prerequisite
-$(BIN)/.installed: pyproject.toml setup.py $(wildcard src/lowband/compressors/kernels/*.c src/lowband/compressors/kernels/*.h)
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard src/lowband/_native/*.c src/lowband/_native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,peers]'
@@ -51,4 +51,4 @@ bench-overlap: venv data
 	$(BIN)/python benchmarks/overlap.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis .ruff_cache

@@ -9,11 +9,11 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "lowband.compressors.kernels._lowband_codecs",
-            sources=["src/lowband/compressors/kernels/lowband_codecs.c",
-                     "src/lowband/compressors/kernels/lowband_sgd.c",
-                     "src/lowband/compressors/kernels/lowband_adam.c"],
-            depends=["src/lowband/compressors/kernels/lowband_fma.h"],
+            "lowband._native._lowband_codecs",
+            sources=["src/lowband/_native/lowband_codecs.c",
+                     "src/lowband/_native/lowband_sgd.c",
+                     "src/lowband/_native/lowband_adam.c"],
+            depends=["src/lowband/_native/lowband_fma.h"],
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         )

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from lowband.compressors import COMPRESSORS, ErrorFeedback, make_compressor
+from lowband.codecs import COMPRESSORS, ErrorFeedback, make_compressor
 
 # Benchmark configuration of each codec (documented here, printed with the table).
 BENCH_OPTIONS: dict[str, dict] = {
@@ -110,7 +110,7 @@ BUCKET_CODECS = [("2bit MXNet (threshold 0.5)", "2bit", {"threshold": 0.5}),
 def model_buckets(name: str, bucket_mb: float = 1.0) -> list[list[tuple[str, int]]]:
     """The compressed buckets of a model as the ``compressed`` algorithm plans them."""
     from lowband.algorithms.buckets import plan_keyed_buckets
-    from lowband.models import make_model
+    from lowband.app.models import make_model
     named = list(make_model(name).named_parameters())
     params = [p for _, p in named]
     dense = {i for i, p in enumerate(params) if p.dim() > 1}
@@ -124,7 +124,7 @@ def bucket_cases(sizes: list[int], models: list[str], workers: list[int], reps: 
     built once, ``clone`` of the same elements and a ``copy_`` of them into a kept buffer timed
     with them: ``clone`` is the issue's yardstick, but it allocates, and whether a run's
     allocation comes back cache-warm moves it up to 2x on one host; ``copy_`` shows that)."""
-    from lowband.collectives.compressed import make_plan
+    from lowband.comm.plans import make_plan
     gen = torch.Generator().manual_seed(0)
     cases = [(f"{n:,} elements", [[("x", n)]], [1]) for n in sizes]
     cases += [(f"{m} buckets", model_buckets(m), workers) for m in models]
@@ -184,7 +184,7 @@ def run_ab(paths: list[str], sizes: list[int], models: list[str], workers: list[
     """Two builds of the codec library in one process, interleaved: each round times every
     case with build A, then with build B (best of ``reps`` calls each), so the host's drift
     lands on both alike. Reported: the median and the best round per build, and B / A."""
-    from lowband.compressors import kernels
+    from lowband import _native as kernels
     libs = [kernels.open_library(p) for p in paths]
     lines = [f"A = {paths[0]}, B = {paths[1]}; {rounds} interleaved rounds, best of {reps} calls each",
              "",
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--ab compares two builds; --portable applies to the installed one only")
         if args.rounds < 1:
             parser.error(f"--rounds must be >= 1, got {args.rounds}")
-        from lowband.compressors import kernels
+        from lowband import _native as kernels
         for path in args.ab:
             try:
                 kernels.open_library(path)
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
           f"input N(0,1) fp32; options: {BENCH_OPTIONS}")
     if hasattr(os, "getloadavg"):  # other processes on the host skew the numbers; say so
         print(f"host load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    from lowband.compressors import kernels
+    from lowband import _native as kernels
     lib = kernels.library()
     if lib is None:
         print("codec kernels: torch")

@@ -1,7 +1,7 @@
 """Per-rank bytes sent per step, every codec x every compressed collective, vs fp32 ring allreduce.
 
 Spawns ``--workers`` gloo processes on this host and averages gradients through lowband's real
-collectives; the bytes are those the :class:`~lowband.collectives.communicator.Communicator`
+collectives; the bytes are those the :class:`~lowband.comm.communicator.Communicator`
 counts under its ring/pairwise wire models (what a link counter shows, less protocol headers).
 Payload sizes depend only on shapes, so random data gives the same bytes as real gradients.
 
@@ -27,12 +27,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lowband.algorithms.buckets import plan_buckets
-from lowband.collectives.wire import allreduce_bytes
-from lowband.compressors import build_compressor
-from lowband.collectives.communicator import Communicator
-from lowband.collectives.compressed import COLLECTIVES, make_collective
-from lowband.compressors import COMPRESSORS
-from lowband.models import make_model
+from lowband.comm.wire import allreduce_bytes
+from lowband.codecs import build_compressor
+from lowband.comm.communicator import Communicator
+from lowband.comm.reducer import make_reducer
+from lowband.comm.plans import COLLECTIVES
+from lowband.codecs import COMPRESSORS
+from lowband.app.models import make_model
 
 MIB = 1 << 20
 FP32_BYTES = 4
@@ -70,7 +71,7 @@ def _worker(rank: int, world: int, port: int, bucket_mb: float, queue) -> None:
         for label, codec, options in VARIANTS:
             for kind in COLLECTIVES:
                 comm = Communicator()
-                coll = make_collective(kind, comm, build_compressor(codec, options, True))
+                coll = make_reducer(kind, comm, build_compressor(codec, options, True))
                 gen = torch.Generator().manual_seed(rank)
                 for _ in range(STEPS):
                     for i, n in enumerate(sizes):

@@ -103,7 +103,7 @@ EOF
 bench_one() {   # bench_one WORKERS DIR SPEC: one algorithm's short run, its output to a log of its own
     local workers=$1 dir=$2 spec=$3
     local log=$dir/${spec%%:*}.log
-    if "$PY" -m lowband.cli bench --device cuda --workers "$workers" --algorithms "$spec" --timeout 60 \
+    if "$PY" -m lowband.app.cli bench --device cuda --workers "$workers" --algorithms "$spec" --timeout 60 \
         --dataset synthetic --max-steps "$STEPS" --no-progress --out "$dir/${spec%%:*}" >"$log" 2>&1; then
         echo "ok: $spec x$workers"
     else
@@ -150,9 +150,9 @@ extras() {   # extras DEVICE: what train-2 leaves out, 2 ranks over gloo: gradie
     export LOWBAND_BACKEND=gloo
     mkdir -p "$dir"
     local common=(--device "$device" --workers 2 --timeout 60 --dataset synthetic --max-steps "$STEPS" --no-progress)
-    "$PY" -m lowband.cli bench "${common[@]}" --micro-batches 2 --out "$dir/micro" \
+    "$PY" -m lowband.app.cli bench "${common[@]}" --micro-batches 2 --out "$dir/micro" \
         --algorithms ssgd,compressed:warmup_steps=3,cpsgd:warmup_steps=3:correction_period=3,lazy || rc=1
-    "$PY" -m lowband.cli bench "${common[@]}" --optimizer adamw --lr 0.001 --out "$dir/adamw" \
+    "$PY" -m lowband.app.cli bench "${common[@]}" --optimizer adamw --lr 0.001 --out "$dir/adamw" \
         --algorithms compressed:warmup_steps=3,cpsgd:warmup_steps=3:correction_period=3 || rc=1
     "$PY" - "$dir/adamw" <<'EOF2' || rc=1
 import glob, json, os, sys

@@ -26,8 +26,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lowband.compressors import COMPRESSORS, build_compressor, make_compressor
-from lowband.compressors.bucket import BucketCodec, ChunkedLayout, _ChunkFormat
+from lowband.codecs import COMPRESSORS, build_compressor, make_compressor
+from lowband.codecs.bucket import BucketCodec, ChunkedLayout, _ChunkFormat
 from lowband.perf.resnet50 import resnet50_layers
 
 GB = 1e9

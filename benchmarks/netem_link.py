@@ -1,110 +1,168 @@
-"""Measure achieved gloo all_reduce bandwidth over lowband's emulated links.
+"""How faithful lowband's emulated links are: delivery time after idle against bytes / rate.
 
-Why: the emulation is only useful if a shaped link really behaves like its nominal
-rate; this prints measured/configured ratios for the docs (docs/netem.md).
+For each rate, two workers of an :class:`lowband.netem.EmulatedCluster` hold a warmed TCP
+connection. The sender waits ``--idle`` seconds (what a compute step leaves the link), sends one
+message and waits for a 1-byte answer; the median over ``--reps`` is divided by the ideal
+``bytes * 8 / rate``. Then a bulk phase streams 4 MB messages for ``--bulk-s`` seconds: the
+achieved payload rate over the configured rate (TCP/IP and Ethernet headers take about 4.5% on
+MTU frames), and the kernel CPU (system + irq + softirq in /proc/stat, less the same machine's
+idle baseline measured just before) per GB of payload, which is where veth, bridge and tbf spend
+their time. The row for rate ``none`` is the unshaped reference for that CPU.
 
-    PYTHONPATH=src python benchmarks/netem_link.py --rates 1gbit,200mbit --world 2 --mib 16 --iters 5
+    PYTHONPATH=src python benchmarks/netem_link.py --rates none,20mbit,50mbit,200mbit,1gbit
+    PYTHONPATH=src python benchmarks/netem_link.py --rates 20mbit --burst 96kb    # a bursting link
 
-"Algorithmic" bandwidth = ring all_reduce payload per rank, 2(N-1)/N * size, over the
-time of one all_reduce; "wire" = bytes the kernel counted on the rank's veth (payload
-+ TCP/IP headers + acks) over the same time.
+Needs root and network namespaces (the same as ``lowband bench --bandwidth``).
 """
-
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from lowband.collectives.wire import allreduce_bytes
+PORT = 29611
+SIZES = (16 << 10, 48 << 10, 96 << 10, 400 << 10, 2 << 20, 4 << 20)
+BULK_MESSAGE = 4 << 20
 
-MASTER_PORT = "29518"  # free in rank 0's fresh namespace
+
+def _kernel_cpu_s() -> float:
+    """system + irq + softirq seconds of the whole machine so far."""
+    fields = open("/proc/stat").readline().split()
+    return sum(int(fields[i]) for i in (3, 6, 7)) / os.sysconf("SC_CLK_TCK")
 
 
-def worker(size: int, iters: int) -> None:
-    """One rank: warm up connections, then time `iters` all_reduces."""
-    import torch
-    import torch.distributed as dist
+def serve() -> None:
+    """Receiver: read length-prefixed messages, answer each with one byte."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", PORT))
+    srv.listen(1)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(1 << 22))
+    while True:
+        header = conn.recv(8, socket.MSG_WAITALL)
+        n = int.from_bytes(header, "little") if len(header) == 8 else 0
+        if n == 0:
+            return
+        got = 0
+        while got < n:
+            got += conn.recv_into(buf[: min(len(buf), n - got)])
+        conn.sendall(b"a")
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.all_reduce(torch.ones(16))
-    times = []
-    ok = True
-    for _ in range(iters):
-        t = torch.full((size // 4,), float(rank + 1))
-        dist.barrier()
+
+def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float) -> None:
+    """Sender: delivery times after idle, then the bulk phase; prints one JSON line."""
+    conn = socket.socket()
+    for _ in range(200):
+        try:
+            conn.connect((address, PORT))
+            break
+        except OSError:
+            time.sleep(0.05)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = b"x" * max(max(sizes), BULK_MESSAGE)
+
+    def exchange(n: int) -> float:
         t0 = time.perf_counter()
-        dist.all_reduce(t)
-        times.append(time.perf_counter() - t0)
-        ok = ok and bool(torch.all(t == world * (world + 1) / 2))
-    print(json.dumps({"rank": rank, "ok": ok, "times": times}), flush=True)
-    dist.destroy_process_group()
+        conn.sendall(n.to_bytes(8, "little") + payload[:n])
+        conn.recv(1)
+        return time.perf_counter() - t0
+
+    for _ in range(3):          # open the congestion window as a long training run has
+        exchange(1 << 20)
+    times = {}
+    for n in sizes:
+        samples = []
+        for _ in range(reps):
+            time.sleep(idle_s)
+            samples.append(exchange(n))
+        times[n] = statistics.median(samples)
+    c0 = _kernel_cpu_s()
+    time.sleep(1.0)
+    baseline = _kernel_cpu_s() - c0
+    c0, t0, sent = _kernel_cpu_s(), time.perf_counter(), 0
+    while time.perf_counter() - t0 < bulk_s:
+        exchange(BULK_MESSAGE)
+        sent += BULK_MESSAGE
+    elapsed = time.perf_counter() - t0
+    cpu = _kernel_cpu_s() - c0 - baseline * elapsed
+    conn.sendall((0).to_bytes(8, "little"))
+    print(json.dumps({"times": times, "bulk_bits_per_s": sent * 8 / elapsed,
+                      "kernel_cpu_s_per_gb": cpu / (sent / 1e9)}), flush=True)
 
 
-def measure(rate_text: str, world: int, size: int, iters: int, burst: str | None, latency: str) -> dict[str, float | str | None]:
+def measure(rate_text: str, burst: int | None, sizes: list[int], reps: int, idle_s: float, bulk_s: float) -> dict:
     from lowband.netem import EmulatedCluster, parse_rate
 
     rate = parse_rate(rate_text)
-    env_base = dict(os.environ)
-    env_base["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent / "src")
-    with EmulatedCluster(world, rate, burst=burst, latency=latency) as c:
-        before = c.link_counters()
-        procs = [
-            subprocess.Popen(
-                c.worker_prefix(r) + [sys.executable, __file__, "--worker", "--bytes", str(size), "--iters", str(iters)],
-                env={**env_base, **c.worker_env(r), "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_PORT": MASTER_PORT},
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(world)
-        ]
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=600)
-            if p.returncode != 0:
-                raise SystemExit(f"worker failed:\n{err[-3000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        after = c.link_counters()
-    assert all(r["ok"] for r in results), "wrong all_reduce result"
-    per_iter = [max(r["times"][i] for r in results) for i in range(iters)]
-    t = statistics.median(per_iter)
-    payload = allreduce_bytes(size, world)
-    wire_tx = statistics.mean(after[r][0] - before[r][0] for r in range(world)) / iters  # incl. warm-up, tiny
-    algbw = payload * 8 / t
-    return {
-        "rate": rate_text, "world": world, "MiB": size / 2**20, "median_s": t,
-        "algbw_mbit": algbw / 1e6,
-        "ratio": (algbw / rate) if rate else None,
-        "wire_overhead": wire_tx / payload,
-    }
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    me = [sys.executable, str(Path(__file__).resolve())]
+    with EmulatedCluster(2, rate, burst=burst) as cluster:
+        server = subprocess.Popen(cluster.worker_prefix(1) + me + ["--serve"], env=env)
+        try:
+            out = subprocess.run(cluster.worker_prefix(0) + me + [
+                "--send", cluster.addresses[1], "--sizes", ",".join(map(str, sizes)), "--reps", str(reps),
+                "--idle", str(idle_s), "--bulk-s", str(bulk_s)], env=env, capture_output=True, text=True, timeout=900)
+        finally:
+            server.wait(timeout=60)
+        if out.returncode != 0:
+            raise SystemExit(f"sender failed: {out.stderr[-2000:]}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result["link"] = cluster.shape.describe()
+    result["rate"] = rate
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rates", default="1gbit,200mbit", help="comma-separated tc rates, 'none' = unshaped")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--mib", type=float, default=16.0, help="all_reduce size in MiB (float32)")
-    ap.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--burst", default=None, help="tbf burst, e.g. 64kb (default: EmulatedCluster's automatic burst)")
-    ap.add_argument("--latency", default="50ms", help="tbf latency (EmulatedCluster default 50ms)")
+    ap.add_argument("--rates", default="none,20mbit,50mbit,200mbit,1gbit",
+                    help="comma-separated tc rates; 'none' is the unshaped reference (default: %(default)s)")
+    ap.add_argument("--burst", default=None, help="a bursting link with this bucket, e.g. 96kb (default: paced)")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes")
+    ap.add_argument("--reps", type=int, default=5, help="messages per size; the median is reported (default: 5)")
+    ap.add_argument("--idle", type=float, default=0.06, help="seconds of idle before each message (default: 0.06)")
+    ap.add_argument("--bulk-s", type=float, default=4.0, help="seconds of the bulk phase (default: 4)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--send", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        worker(args.bytes, args.iters)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if args.serve:
+        serve()
         return
-    size = int(args.mib * 2**20) // 4 * 4
-    print(f"tbf burst {args.burst or 'auto'} latency {args.latency}")
-    print(f"{'rate':>8} {'world':>5} {'MiB':>6} {'median s':>9} {'algbw Mbit/s':>13} {'measured/configured':>20} {'wire/payload':>13}")
-    for rate_text in args.rates.split(","):
-        r = measure(rate_text.strip(), args.world, size, args.iters, args.burst, args.latency)
-        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
-        print(f"{r['rate']:>8} {r['world']:>5} {r['MiB']:>6.1f} {r['median_s']:>9.3f} {r['algbw_mbit']:>13.1f} {ratio:>20} {r['wire_overhead']:>13.3f}", flush=True)
+    if args.send:
+        send(args.send, sizes, args.reps, args.idle, args.bulk_s)
+        return
+    burst = None
+    if args.burst:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+        from lowband.perf.network import parse_bytes
+        burst = int(parse_bytes(args.burst))
+    heads = " | ".join(f"{n >> 10} KB" if n < 1 << 20 else f"{n >> 20} MB" for n in sizes)
+    print(f"delivery after {args.idle * 1e3:g} ms idle, measured / ideal (ideal = bytes x 8 / rate), "
+          f"median of {args.reps}; bulk payload rate / rate; kernel CPU-s per GB of payload\n")
+    print(f"| rate | link | {heads} | bulk | CPU-s/GB |")
+    print("|---|---|" + "---:|" * (len(sizes) + 2))
+    for rate_text in [r.strip() for r in args.rates.split(",") if r.strip()]:
+        r = measure(rate_text, burst, sizes, args.reps, args.idle, args.bulk_s)
+        cells = []
+        for n in sizes:
+            t = r["times"][str(n)]
+            if r["rate"] is None:
+                cells.append(f"{t * 1e3:.2f} ms")
+            else:
+                ideal = n * 8 / r["rate"]
+                cells.append(f"{t / ideal:.2f}" + ("" if ideal >= 1e-3 else "*"))
+        bulk = (f"{r['bulk_bits_per_s'] / r['rate']:.2f}" if r["rate"] else f"{r['bulk_bits_per_s'] / 1e9:.1f} Gbit/s")
+        print(f"| {rate_text} | {r['link']} | " + " | ".join(cells) + f" | {bulk} | {r['kernel_cpu_s_per_gb']:.1f} |",
+              flush=True)
+    print("\n* ideal under 1 ms: the fixed cost of a message (two syscalls, one answer) dominates")
 
 
 if __name__ == "__main__":

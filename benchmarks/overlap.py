@@ -16,8 +16,8 @@ import os
 import sys
 import tempfile
 
-from lowband.bench import run_config
-from lowband.config import TrainConfig
+from lowband.app.bench import run_config
+from lowband.app.config import TrainConfig
 
 MODES = [
     ("compute-only", "noop", {}),

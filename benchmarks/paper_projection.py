@@ -36,7 +36,7 @@ from lowband.perf.profile import load_profile  # noqa: E402
 GBIT = 1e9
 PAPER_CPSGD = "30% less end-to-end time than synchronous 2-bit at 32 GPUs, 56 Gbit/s; scaling 8/16/32 \"approximately linear\""
 PAPER_LAZY = {2048: (276.6, 739.6)}
-#: the generated section of the doc (``--doc``): lowband.report's markers
+#: the generated section of the doc (``--doc``): lowband.app.report's markers
 SECTION = "paper-projection"
 
 
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         "Speedup over one node, weak scaling at the stated per-node batch.", "", lazy_section()])
     print(body)
     if args.doc:
-        from lowband.report import update_doc
+        from lowband.app.report import update_doc
         update_doc(args.doc, f"Regenerate: `python benchmarks/paper_projection.py --doc {args.doc}`.\n\n{body}",
                    SECTION)
     if args.plots:

@@ -3,7 +3,7 @@
 ``worker(rank, world, port, *args, queue)`` must put ``(rank, result)`` on ``queue`` once;
 :func:`run_ranks` starts the ranks (spawn context, a free loopback port for the rendezvous),
 waits for every rank's result and returns them by rank. Each rank's C heap is in the mode of
-lowband's workers (``--malloc``, default ``cached``: ``lowband.memory``) before the worker's
+lowband's workers (``--malloc``, default ``cached``: ``lowband.runtime.memory``) before the worker's
 first tensor, so a bare loop measures the step ``lowband train`` and ``lowband bench`` run."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from lowband import memory
-from lowband.launcher import free_port
+from lowband.runtime import memory
+from lowband.runtime.launcher import free_port
 
 
 def _rank(malloc: str, worker: Callable[..., None], *args: Any) -> None:

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lowband
-from lowband.launcher import free_port
-from lowband.models import make_model
+from lowband.runtime.launcher import free_port
+from lowband.app.models import make_model
 
 #: per-algorithm options: no fp32 warm-up, so the profiled steps are the algorithm's own
 STEADY = {"compressed": {"warmup_steps": 0}, "cpsgd": {"warmup_steps": 0},

@@ -17,9 +17,9 @@ import os
 import sys
 import tempfile
 
-from lowband.bench import run_config
-from lowband.runner import RunFailed
-from lowband.config import TrainConfig
+from lowband.app.bench import run_config
+from lowband.app.runner import RunFailed
+from lowband.app.config import TrainConfig
 
 
 def parse_value(text: str):

@@ -31,8 +31,8 @@ What is predicted and what is taken from the run under test:
   the first launched and waited for inside the previous one's future callback, as PyTorch's
   PowerSGD hook launches its P and Q all-reduces (``chained_s``: each link's time from its
   launch, charged to ddp-powersgd's P and Q); ``report --no-step-sync`` predicts without them;
-* known from the link's set-up: tc tbf's bucket depth (``lowband.netem.auto_burst`` of the
-  rate, the default every bench run uses; ``--no-burst`` predicts with a plain rate limit);
+* known from the link's set-up: tc tbf's bucket depth (``lowband.netem.paced`` of the rate, the
+  default every bench run uses; ``--no-burst`` predicts with a plain rate limit);
 * measured in the same bench run: the compute-only (`noop`) step time, which gives the
   compute scale (noop step / profile compute step: CPU contention of N workers on this
   machine's cores, and the load of the machine at the time). Each algorithm gets its own
@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -118,15 +117,15 @@ PROBE_PORT = "29519"   # free in rank 0's fresh namespace
 
 def join_probe_group() -> Optional[int]:
     """A probe rank's set-up, as a lowband worker's: its C heap in the workers' default mode
-    (:mod:`lowband.memory`), one intra-op thread, the gloo group of the launcher's environment
+    (:mod:`lowband.runtime.memory`), one intra-op thread, the gloo group of the launcher's environment
     and its threads' scheduler slice in the workers' default, once every one of them runs
-    (:func:`lowband.comm_threads.shorten_settled`; until the twenty-seventh session the slice
+    (:func:`lowband.runtime.comm_threads.shorten_settled`; until the twenty-seventh session the slice
     was asked for right after ``init_process_group`` and missed 1 or 2 of gloo's 3 threads).
     Returns how many threads took it (None: a kernel without custom slices)."""
     import torch
     import torch.distributed as dist
-    from lowband import comm_threads, memory
-    from lowband.config import TrainConfig
+    from lowband.runtime import comm_threads, memory
+    from lowband.app.config import TrainConfig
     memory.configure(memory.DEFAULT_MODE)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -167,7 +166,7 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
     import threading
     import torch
     import torch.distributed as dist
-    from lowband.collectives.wire import allreduce_bytes
+    from lowband.comm.wire import allreduce_bytes
     sliced = join_probe_group()
     world = dist.get_world_size()
     a = torch.randn(160, 160)
@@ -179,7 +178,8 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
 
     # calibrate the block count (slowest rank's) so the loop takes ~0.6 s, the same on every rank
     blocks(50)
-    t0 = time.perf_counter(); blocks(200)
+    t0 = time.perf_counter()
+    blocks(200)
     slowest = torch.tensor([(time.perf_counter() - t0) / 200], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)      # every count below is derived from it alike
     per_block = float(slowest)
@@ -194,7 +194,9 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
            "sync_blocks": per_sync, "syncs": n // per_sync, "unsynced": [], "synced": [], "sliced": sliced}
     for _ in range(rounds):
         dist.barrier()
-        t0 = time.perf_counter(); blocks(n); out["alone"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        blocks(n)
+        out["alone"].append(time.perf_counter() - t0)
         dist.barrier()
         done = []
 
@@ -205,7 +207,10 @@ def contention_worker(rate_bits: int, rounds: int) -> None:
             done.append(time.perf_counter() - c0)
 
         th = threading.Thread(target=comm)
-        t0 = time.perf_counter(); th.start(); blocks(n); out["beside"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        th.start()
+        blocks(n)
+        out["beside"].append(time.perf_counter() - t0)
         th.join()
         out["comm_s"].append(done[0])
         dist.barrier()
@@ -267,9 +272,9 @@ def step_sync_worker(model_name: str, rounds: int, steps: int) -> None:
     one loop, so the machine's drift between loops does not enter."""
     import torch
     import torch.distributed as dist
-    from lowband.models import make_model
+    from lowband.app.models import make_model
     from lowband.perf.profile import example_batch
-    from lowband.tasks import loss
+    from lowband.app.tasks import loss
     sliced = join_probe_group()
     torch.manual_seed(0)
     model = make_model(model_name)
@@ -392,7 +397,7 @@ def latency_from_probes(medians: list[float], world: int) -> float:
     biased low where the runs agree (at 4 workers five runs gave 5.1-8.6 ms per call and
     nothing bimodal): on the twenty-fifth session's runs it predicted 57 of 60 within 15%,
     the median 59 (results.md, the validation section)."""
-    from lowband.collectives.wire import allreduce_messages
+    from lowband.comm.wire import allreduce_messages
     if not medians:
         raise ValueError("no latency probe runs")
     return statistics.median(medians) / allreduce_messages(world)
@@ -405,7 +410,7 @@ def latency_from_step_probe(met_again_s: float, world: int) -> float:
     at 2 workers, in 14 of 15 runs of the twenty-sixth session) that no training step shows
     (results.md). The report's default since the twenty-seventh session, set before that
     session's validation runs (``report --latency-from probe``: the idle probe)."""
-    from lowband.collectives.wire import allreduce_messages
+    from lowband.comm.wire import allreduce_messages
     if world < 2:
         raise ValueError("a latency needs at least 2 workers")
     return met_again_s / allreduce_messages(world)
@@ -414,7 +419,7 @@ def latency_from_step_probe(met_again_s: float, world: int) -> float:
 def probe(link: str, world: int, model: str = "cnn") -> dict:
     """Per-message latency, bulk efficiency and gloo's CPU seconds per byte on the emulated link;
     the meeting costs beside compute (15 ms matmul blocks, and a whole step of ``model``)."""
-    from lowband.collectives.wire import allreduce_bytes
+    from lowband.comm.wire import allreduce_bytes
     from lowband.netem import parse_rate
     smalls = [probe_allreduce(link, world, 64, 40) for _ in range(LATENCY_PROBES)]
     big_size = 4 << 20
@@ -438,7 +443,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     rc = 0
     for spec in [a for a in args.algorithms.split(",") if a and a != "noop"]:
         pair = os.path.join(out, spec.replace(":", "-"))
-        cmd = [sys.executable, "-m", "lowband.cli", "bench", "--algorithms", f"noop,{spec}",
+        cmd = [sys.executable, "-m", "lowband.app.cli", "bench", "--algorithms", f"noop,{spec}",
                "--bandwidth", args.link, "--workers", str(args.workers), "--model", args.model,
                "--max-steps", str(args.max_steps), "--no-progress", "--out", pair]
         if args.rounds > 1:
@@ -460,7 +465,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- report ----------------------------------------------------------------------------------
 
 def steady_steps(run_dir: str, name: str, cycle: int) -> list[dict]:
-    from lowband.metrics import read_jsonl
+    from lowband.app.metrics import read_jsonl
     steps = read_jsonl(os.path.join(run_dir, "steps.jsonl"))
     if any("warmup" in s for s in steps):
         warm = [i for i, s in enumerate(steps) if s.get("warmup")]
@@ -499,7 +504,7 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
     from lowband.perf.model import MODELS, Cluster, estimate, pattern_steps
     from lowband.perf.network import Network
     from lowband.perf.plan import parse_algorithm
-    from lowband.netem import auto_burst, parse_rate
+    from lowband.netem import paced, parse_rate
 
     with open(os.path.join(group_dir, "validation-run.json")) as f:
         meta = json.load(f)
@@ -515,8 +520,8 @@ def predict_pair(group_dir: str, profile, rows_out: list[dict], latency_s=None, 
         latency_s = latency_from_probes([r["wall_s"] for r in pr["smalls"]], world)
     if latency_s is not None:
         pr = {**pr, "latency_s": latency_s}
-    # the runs shaped with netem's default bucket (bench has no burst flag): tc syntax "98304b"
-    burst_bytes = float(auto_burst(rate).rstrip("b")) if burst else 0.0
+    # the runs shaped with netem's default (paced) bucket
+    burst_bytes = float(paced(rate).bucket_bytes) if burst else 0.0
     network = Network(rate, pr["latency_s"], pr["efficiency"], burst_bytes=burst_bytes)
     cpu_s_per_byte, sync_s = pr.get("cpu_s_per_byte", 0.0), 0.0
     if contention and "contention" in pr:
@@ -616,8 +621,8 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
                         for c, a in sorted(by_commit.items()))
     example = f", e.g. `{rows[0]['command']}`" if rows else ""
     bursts = sorted({r.get("burst_bytes", 0.0) for r in rows})
-    bucket = ("each link's tc tbf bucket (`netem.auto_burst` of its rate: "
-              + ", ".join(f"{b / 1024:.0f} KB" for b in bursts) + ")") if any(bursts) else \
+    bucket = ("each link's tc tbf bucket (`netem.paced` of its rate: "
+              + ", ".join(f"{b / 1024:.1f} KB" for b in bursts) + ")") if any(bursts) else \
         "a plain rate limit (no tbf bucket: `--no-burst`)"
     cost = ("measured beside compute: the contention probe" if any(r.get("contention") for r in rows)
             else "per-byte CPU of an all-reduce on an idle machine; no synchronization cost")
@@ -671,7 +676,7 @@ def render(rows: list[dict], profile_name: str, profile) -> str:
 def cmd_report(args: argparse.Namespace) -> int:
     from lowband.perf.profile import load_profile
     from lowband.perf.network import parse_latency
-    from lowband.report import update_doc
+    from lowband.app.report import update_doc
 
     profile = load_profile(args.profile)
     rows: list[dict] = []

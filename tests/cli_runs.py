@@ -38,7 +38,7 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def command(args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "lowband.cli", "train", *args]
+    return [sys.executable, "-m", "lowband.app.cli", "train", *args]
 
 
 def train(args: Sequence[str], **extra_env: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from lowband.launcher import free_port
+from lowband.runtime.launcher import free_port
 
 POLL_S = 0.5
 

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband import NonFiniteGradientError, checkpoint, cli
-from lowband.algorithms.diloco import torchft_unavailable
-from lowband.config import TrainConfig
-from lowband.train import forward_backward
+from lowband import NonFiniteGradientError
+from lowband.app import checkpoint, cli
+from lowband.algorithms.peers.diloco import torchft_unavailable
+from lowband.app.config import TrainConfig
+from lowband.app.train import forward_backward
 
 from . import cli_runs
 from .distributed import run_distributed
@@ -109,6 +110,8 @@ CASES = [
     ("cpsgd", "cpsgd", SHORT_SCHEDULES["cpsgd"], "small"),
     ("lazy", "lazy", {"lazy_layers": 1}, "small"),
     ("localsgd", "localsgd", SHORT_SCHEDULES["localsgd"], "small"),
+    ("cp-diloco", "cp-diloco", {**SHORT_SCHEDULES["cp-diloco"], "warmup_steps": 1}, "small"),
+    ("cp-diloco-late", "cp-diloco", {**SHORT_SCHEDULES["cp-diloco"], "warmup_steps": 2}, "first-only"),
     ("noop", "noop", {}, "small"),
     ("ddp", "ddp", {}, "small"),
     ("ddp-fp16", "ddp-fp16", {}, "small"),

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband.agreement import describe_difference
-from lowband.data import ShardedBatches, make_synthetic
+from lowband.comm.agreement import describe_difference
+from lowband.app.data import ShardedBatches, make_synthetic
 
 from .distributed import run_distributed
 from .training import poisoned_steps

@@ -23,8 +23,8 @@ STEPS = 8
 
 
 def _names() -> list[str]:
-    from lowband.algorithms.diloco import torchft_unavailable
-    return [n for n in ALGORITHMS if not (n.endswith("diloco") and torchft_unavailable())]
+    from lowband.algorithms.peers.diloco import torchft_unavailable
+    return [n for n in ALGORITHMS if not (n in ("diloco", "streaming-diloco") and torchft_unavailable())]
 
 
 def _bind_twice(rank: int, world: int, names: list[str]) -> dict:

@@ -10,9 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lowband.compressors import kernels, make_compressor
-from lowband.compressors.bucket import BucketCodec, ChunkedLayout, ExactSpans, _ChunkFormat, mean_rows, skip_ranges
-from lowband.compressors.sums import canonical_sum
+from lowband import _native as kernels
+from lowband.codecs import make_compressor
+from lowband.codecs.bucket import BucketCodec, ChunkedLayout, ExactSpans, _ChunkFormat, mean_rows, skip_ranges
+from lowband.codecs.sums import canonical_sum
 
 CODECS = [
     ("2bit", {"threshold": 0.5}),
@@ -475,8 +476,8 @@ class _CudaLike:
 def test_cuda_buckets_without_triton_warn_once_and_take_the_torch_path(monkeypatch):
     import warnings
 
-    from lowband.compressors import bucket as bucket_module
-    from lowband.compressors.kernels import triton_codecs
+    from lowband.codecs import bucket as bucket_module
+    from lowband._native import triton_codecs
     bc = _bucket(CODECS[0], [33, 7], 2)
     monkeypatch.setattr(triton_codecs, "triton", None)
     monkeypatch.setattr(bucket_module, "_warned_torch_path", False)
@@ -493,8 +494,8 @@ def test_cuda_buckets_without_triton_warn_once_and_take_the_torch_path(monkeypat
 def test_a_plans_skip_tables_are_cached_and_equal_to_skip_ranges(monkeypatch):
     """``Plan.worker_skip`` returns what ``skip_ranges`` computes for every exact range and
     absent set, builds each distinct table once, and keeps at most ``SKIP_CACHE`` of them."""
-    from lowband.collectives import compressed as cc
-    from lowband.compressors import build_compressor
+    from lowband.comm import plans as cc
+    from lowband.codecs import build_compressor
     segments = [("a", 1000), ("b", 37), ("c", 4097)]
     for kind in ("allgather", "two-stage"):
         plan = cc.make_plan(kind, 3, 1, segments, build_compressor("2bit", {}, error_feedback=False))

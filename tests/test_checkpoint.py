@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from lowband import checkpoint
-from lowband.cli import main as cli_main
-from lowband.metrics import read_jsonl
+from lowband.app import checkpoint
+from lowband.app.cli import main as cli_main
+from lowband.app.metrics import read_jsonl
 
 from .cli_runs import CLI_ALGORITHMS, PAST_WARMUP, SMALL, train
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lowband import cli
+from lowband.app import cli
 
 from .test_data import FILES, make_fake_dataset
 
@@ -17,7 +17,7 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 def lowband(*args, timeout=120):
     env = dict(os.environ, PYTHONPATH=SRC)
-    return subprocess.run([sys.executable, "-m", "lowband.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lowband.app.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -58,7 +58,7 @@ def test_small_run_writes_metrics_and_summary(tmp_path):
     summary = json.load(open(run / "summary.json"))
     assert summary["steps"] == 30 and summary["workers"] == 2
     assert summary["test_accuracy"] > 0.5          # synthetic classes are easy to separate
-    steps = [json.loads(l) for l in open(run / "steps.jsonl")]
+    steps = [json.loads(line) for line in open(run / "steps.jsonl")]
     assert [s["step"] for s in steps] == list(range(1, 31))
     assert all(s["bytes_sent"] > 0 and s["compute_s"] > 0 for s in steps)
     config = json.load(open(run / "config.json"))
@@ -69,7 +69,8 @@ def test_small_run_writes_metrics_and_summary(tmp_path):
 def test_a_failed_link_emulation_command_is_one_line_not_a_traceback(monkeypatch, capsys):
     """An ip/tc command that fails mid-run (after the availability probe passed) ends the
     command with one precise line and exit 1."""
-    from lowband import cli, netem
+    from lowband.app import cli
+    from lowband import netem
 
     def bench(_args):
         raise netem.NetemError(["ip", "-n", "lb-w0", "route", "replace"], 2, "Error: invalid argument\n")
@@ -85,16 +86,16 @@ def test_bench_goes_on_after_a_failed_run_and_exits_nonzero(tmp_path, monkeypatc
     """One failed run (a worker dies) neither stops the other runs nor passes silently: the
     finished run's row is in results.json, the failure is named there and on stderr, and the
     exit status is the failure's."""
-    from lowband import bench as bench_module, cli
-    from lowband.launcher import LaunchResult
-    from lowband.runner import RunFailed
+    from lowband.app import bench as bench_module, cli
+    from lowband.runtime.launcher import LaunchResult
+    from lowband.app.runner import RunFailed
 
     real = bench_module.run_on_link
 
-    def first_fails(cfg, rate, burst=None):
+    def first_fails(cfg, rate, burst=None, rtt=0.0):
         if cfg.algorithm == "ssgd":
             raise RunFailed(cfg, LaunchResult(returncode=3, failed_rank=1, returncodes=[0, 3]))
-        return real(cfg, rate, burst)
+        return real(cfg, rate, burst, rtt)
 
     monkeypatch.setattr(bench_module, "run_on_link", first_fails)
     out = tmp_path / "bench"
@@ -123,11 +124,13 @@ def test_bad_burst_is_one_usage_line(command, args, message, capsys):
 
 @pytest.mark.parametrize("command", ["train", "bench"])
 def test_burst_reaches_every_emulated_run(command, monkeypatch, tmp_path):
-    """``--burst`` is parsed once (bytes) and handed to each run on a link; 'auto' is None."""
-    from lowband import bench as bench_module, netem
+    """``--burst`` is parsed once (bytes) and handed to each run on a link; 'none' (a paced
+    link) is None."""
+    from lowband.app import bench as bench_module
+    from lowband import netem
     seen = []
 
-    def fake_run(cfg, rate, burst=None):
+    def fake_run(cfg, rate, burst=None, rtt=0.0):
         seen.append((rate, burst))
         raise SystemExit(0)
 
@@ -135,7 +138,7 @@ def test_burst_reaches_every_emulated_run(command, monkeypatch, tmp_path):
     monkeypatch.setattr(netem, "check_available", lambda: None)
     monkeypatch.setattr(netem, "cleanup_stale", lambda: None)
     out = ["--run-dir", str(tmp_path / "t")] if command == "train" else ["--out", str(tmp_path / "b")]
-    for burst, expected in (("8kb", 8192), ("auto", None)):
+    for burst, expected in (("8kb", 8192), ("none", None)):
         with pytest.raises(SystemExit):
             cli.main([command, "--bandwidth", "8mbit", "--burst", burst, "--max-steps", "1", *out])
     assert seen == [(8_000_000, 8192), (8_000_000, None)]

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lowband.compressors import kernels
+from lowband import _native as kernels
 
 # loaded from its path: on sys.path its name would shadow the standard library's codecs
 _spec = importlib.util.spec_from_file_location(

@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lowband.collectives.communicator import Communicator
-from lowband.compressors import kernels, make_compressor
-from lowband.pipeline import make_reducer
+from lowband.comm.communicator import Communicator
+from lowband import _native as kernels
+from lowband.codecs import make_compressor
+from lowband.comm.reducer import make_reducer
 
 from .distributed import run_distributed
 
@@ -102,7 +103,7 @@ def _identity(rank: int, world: int):
 
 
 def _matches_reference(rank: int, world: int, kind: str, codec: str, options: dict):
-    from lowband.compressors import ErrorFeedback
+    from lowband.codecs import ErrorFeedback
     comm = Communicator()
     red = make_reducer(kind, comm, ErrorFeedback(make_compressor(codec, **options)))
     total = sum(n for _, n in SEGMENTS)
@@ -117,7 +118,7 @@ def _matches_reference(rank: int, world: int, kind: str, codec: str, options: di
 def _present_and_exact(rank: int, world: int, kind: str):
     """present flags travel with the payload; absent segments keep their residual; exact ranges
     are the fp32 average and leave their residual alone."""
-    from lowband.compressors import ErrorFeedback
+    from lowband.codecs import ErrorFeedback
     red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor("2bit", threshold=0.3)))
     segs = [("a", 40), ("b", 33), ("c", 50)]
     red.reduce(_inputs(rank, 0, 123), "b", segs)
@@ -161,8 +162,9 @@ def _exact_segments(rank: int, world: int, kind: str):
     segments: the codes, residuals and exact share agree bit for bit, the exact segments are
     the rank-order fp32 mean, and the whole bucket is one collective per step where the plan
     carries exact values inline."""
-    from lowband.compressors import ErrorFeedback
-    codec = lambda: ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
+    from lowband.codecs import ErrorFeedback
+    def codec():
+        return ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
     comm_a, comm_b = Communicator(), Communicator()
     mixed, plain = make_reducer(kind, comm_a, codec()), make_reducer(kind, comm_b, codec())
     coded = [s for s, f in zip(EXACT_SEGMENTS, FIXED) if not f]
@@ -209,8 +211,8 @@ def _nonfinite_marks(rank: int, world: int, kind: str, codec: str, options: dict
     the slow reference: per rank and segment, ``torch.isfinite(x[segment]).all()``. Covers
     the scale proof (scale-aware 2-bit, 1-bit), the sum (MXNet 2-bit), the exact share, fixed
     and absent segments, and overflowing finite sums."""
-    import lowband.collectives.compressed as collective
-    from lowband.compressors import ErrorFeedback
+    import lowband.comm.plans as collective
+    from lowband.codecs import ErrorFeedback
     red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(codec, **options)))
     n = sum(k for _, k in NONFINITE_SEGMENTS)
     got, want, exact_tests = [], [], []
@@ -255,8 +257,9 @@ def _in_place(rank: int, world: int, kind: str):
     and returns it, with the same bits (outputs, flags, residuals) as a new output; with an
     exact share (inline or in an all-reduce beside the message), exact segments and a segment
     absent on some ranks."""
-    from lowband.compressors import ErrorFeedback
-    codec = lambda: ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
+    from lowband.codecs import ErrorFeedback
+    def codec():
+        return ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
     fresh, in_place = make_reducer(kind, Communicator(), codec()), make_reducer(kind, Communicator(), codec())
     n = sum(k for _, k in EXACT_SEGMENTS)
     checks = []
@@ -288,8 +291,9 @@ def _sources(rank: int, world: int, kind: str, codec_name: str, options: dict):
     bit for bit; with ``in_place`` the average of those segments is written into their tensors
     and the rest into the bucket. Covers an exact segment given a source (copied in), a segment
     absent on some ranks, an exact share (step 2: every source copied in) and a NaN (step 3)."""
-    from lowband.compressors import ErrorFeedback
-    codec = lambda: ErrorFeedback(make_compressor(codec_name, **options))
+    from lowband.codecs import ErrorFeedback
+    def codec():
+        return ErrorFeedback(make_compressor(codec_name, **options))
     flat, by_ref, by_ref_in_place = (make_reducer(kind, Communicator(), codec()) for _ in range(3))
     n = sum(k for _, k in EXACT_SEGMENTS)
     offsets = np.concatenate([[0], np.cumsum([k for _, k in EXACT_SEGMENTS])[:-1]]).tolist()
@@ -348,7 +352,7 @@ def _same_marks(a, b) -> bool:
 
 
 def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
-    from lowband.compressors import ErrorFeedback
+    from lowband.codecs import ErrorFeedback
     comm = Communicator()
     red = make_reducer("two-stage", comm, ErrorFeedback(make_compressor(codec, **options)))
     red.reduce(torch.randn(n), "g")
@@ -483,8 +487,8 @@ def test_nonfinite_marks_equal_the_per_segment_reference(world, mode, kind):
 def test_flag_bytes_native_equal_the_numpy_path(seed, monkeypatch):
     """The flag bytes written into every section and read back from every row (present OR,
     per-row non-finite marks, the all-clean shortcut), natively and through numpy views."""
-    from lowband.collectives import compressed as cc
-    from lowband.compressors.bucket import ChunkedLayout, _ChunkFormat
+    from lowband.comm import plans as cc
+    from lowband.codecs.bucket import ChunkedLayout, _ChunkFormat
     if kernels.library() is None or not kernels.library().has_flags:
         pytest.fail("native kernels with the flag functions missing (reinstall with a C compiler)")
     rng = np.random.default_rng(seed)

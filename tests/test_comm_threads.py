@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from lowband import comm_threads
-from lowband.config import TrainConfig
+from lowband.runtime import comm_threads
+from lowband.app.config import TrainConfig
 
 from .test_cli import lowband
 

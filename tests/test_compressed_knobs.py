@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lowband.algorithms import make_algorithm
-from lowband.algorithms.schedule import DEFAULT_COMPRESSION_WARMUP_STEPS as DEFAULT_WARMUP_STEPS
+from lowband.algorithms.warmup import DEFAULT_COMPRESSION_WARMUP_STEPS as DEFAULT_WARMUP_STEPS
 
 
 @pytest.mark.parametrize("bad", [{"warmup_steps": -1}, {"warmup_steps": 1.5}, {"warmup_steps": True},
@@ -21,7 +21,7 @@ def test_defaults():
 
 
 def test_auto_collective_is_allgather_up_to_4_ranks_then_two_stage():
-    from lowband.collectives.compressed import resolve_collective
+    from lowband.comm.plans import resolve_collective
     assert [resolve_collective("auto", n) for n in (1, 2, 3, 4, 5, 64)] == ["allgather"] * 4 + ["two-stage"] * 2
     assert resolve_collective("two-stage", 2) == "two-stage" and resolve_collective("allgather", 64) == "allgather"
     with pytest.raises(ValueError, match="unknown collective 'ring'"):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowband.compressors import (
+from lowband.codecs import (
     COMPRESSORS,
     Compressor,
     ErrorFeedback,
@@ -21,7 +21,7 @@ from lowband.compressors import (
     TwoBitQuantizer,
     make_compressor,
 )
-from lowband.compressors.bitpack import (
+from lowband.codecs.bitpack import (
     pack_1bit,
     pack_2bit,
     pack_bits,
@@ -490,3 +490,34 @@ def test_error_feedback_needs_a_compressor():
         ErrorFeedback("2bit")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         ErrorFeedback(ErrorFeedback(build("2bit")))
+
+
+def test_a_registered_codec_is_built_by_name_and_accepted_by_the_algorithms():
+    import lowband
+    from lowband.codecs import FP16, register
+    from lowband.codecs import base as codec_base
+
+    class Halve(FP16):
+        name = "test-halve"
+
+    try:
+        assert register(Halve) is Halve
+        assert "test-halve" in COMPRESSORS
+        assert type(make_compressor("test-halve")) is Halve
+        # the compressing algorithms check the name against the same registry
+        lowband.CompressedSGD(compressor="test-halve")
+        with pytest.raises(TypeError, match="Compressor subclass"):
+            register(int)
+    finally:
+        codec_base._REGISTRY.pop("test-halve", None)
+    assert "test-halve" not in COMPRESSORS
+
+
+def test_the_bucket_kernel_is_an_attribute_of_the_codec():
+    from lowband import _native
+
+    assert make_compressor("2bit", threshold=0.5).kernel_kind == _native.KIND_TWOBIT
+    assert make_compressor("2bit", relative=1.0).kernel_kind == _native.KIND_TWOBIT_REL
+    assert make_compressor("1bit").kernel_kind == _native.KIND_ONEBIT
+    assert make_compressor("fp16").kernel_kind is None
+    assert ErrorFeedback(make_compressor("1bit")).kernel_kind is None      # the bucket codec unwraps it

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Optional
 
 import pytest
@@ -11,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband.pipeline import CompressedReducer
+from lowband.comm.reducer import CompressedReducer
 from lowband.algorithms.buckets import plan_buckets
-from lowband.algorithms.schedule import share_bounds
-from lowband.collectives.wire import MIB
-from lowband.compressors import ErrorFeedback, make_compressor
+from lowband.algorithms.warmup import share_bounds
+from lowband.comm.wire import MIB
+from lowband.codecs import ErrorFeedback, make_compressor
 
 from .distributed import run_distributed
 from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of, run_algorithm
@@ -66,15 +65,13 @@ def spread_masks(params, k: int) -> list[list[torch.Tensor]]:
 
 
 def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Optional[dict],
-             spread: bool = False, exact_semantics: str = "contract", flush: bool = False):
-    """Spec A.2 written out literally for N simulated workers in one process: global W and the
+             spread: bool = False, flush: bool = False):
+    """CP-SGD written out literally for N simulated workers in one process: global W and the
     optimizer on it, per-worker compute weights, per-worker per-bucket error feedback, and an
     all-gather-style exact average of the decoded payloads.
 
-    ``spread``: at phase j of each cycle, share j of every bucket is averaged exactly and the
-    rest compressed. ``exact_semantics``: "contract" (an exact element is coded 0 and its
-    residual is neither used nor changed) or "adapter" (cpsgd's side channel before the reducer
-    had ``exact=``: the element enters compression as 0, its residual goes on as usual).
+    ``spread``: at phase j of each cycle, share j of every bucket is averaged exactly (an exact
+    element is coded 0 and its residual is neither used nor changed) and the rest compressed.
     ``flush``: an element sent exact carries its worker's residual (g + e averaged in fp32) and
     the residual there becomes 0 (``flush_residual_on_correction``)."""
     torch.manual_seed(0)
@@ -126,7 +123,7 @@ def simulate(world: int, warmup: int, k: Optional[int], alpha: float, codec: Opt
                     x = grads[r][i].reshape(-1).clone()
                     x[m] = 0
                     saved = None
-                    if exact_semantics == "contract" and efs[r].has_residual(names[i]):
+                    if efs[r].has_residual(names[i]):
                         e = efs[r].residual(names[i]).reshape(-1)
                         saved = e[m].clone()
                         e[m] = 0
@@ -201,7 +198,6 @@ def _run_lowband_slow_pipeline(rank: int, world: int, options: dict):
     """As :func:`_run_lowband`, with every compressed job of the pipeline held back 40 ms, so
     step t's job still reads its bucket while step t + 1's backward fills the buckets."""
     import time
-    from lowband.pipeline import CompressedReducer
     run = CompressedReducer._run
 
     def slow(self, *args):
@@ -267,9 +263,7 @@ def test_spread_correction_matches_simulation_and_sends_constant_bytes(flush):
             "collective": "allgather", "compressor_options": codec["options"], "bucket_mb": BUCKET_MB,
             "compress_vectors": True, "flush_residual_on_correction": flush}
     results = run_distributed(_run_recording, 2, {**base, "correction": "spread"})
-    native = "exact" in inspect.signature(CompressedReducer.start).parameters
-    reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec, spread=True,
-                         exact_semantics="contract" if native else "adapter", flush=flush)
+    reference = simulate(2, warmup=2, k=3, alpha=LR, codec=codec, spread=True, flush=flush)
     for ours, log in results:
         assert max_rel_err(ours, reference) <= 1e-5
         phases = [m["correction_phase"] for _, m in log]
@@ -345,7 +339,7 @@ def test_parameters_no_rank_used_stay_put_and_partly_used_ones_agree(correction)
 
 def _native_or_torch(rank: int, world: int, mode: str, optimizer: str = "sgd"):
     import os
-    from lowband.compressors import kernels
+    from lowband import _native as kernels
     os.environ[kernels.ENV] = mode
     torch.manual_seed(0)
     model = SmallNet()
@@ -377,12 +371,12 @@ def test_native_kernels_and_fused_step_equal_the_torch_path_end_to_end(optimizer
     AdamW) with the native codecs and the fused global+local step equals the pure-torch path
     (torch codecs, optimizer.step() then the tentative step) bit for bit, 10 steps past
     the warm-up, on 2 gloo ranks."""
-    from lowband.compressors import kernels
+    from lowband import _native as kernels
     if kernels.library() is None:
         pytest.skip("native kernels not built")
     native = run_distributed(_native_or_torch, 2, "native", optimizer)
     torch_path = run_distributed(_native_or_torch, 2, "torch", optimizer)
-    from lowband.algorithms.local_update import FusedAdamStep
+    from lowband.optim.tentative import FusedAdamStep
     # where no rounding of the Adam kernel matches this torch build, CP-SGD takes torch's ops
     expect_fused = optimizer == "sgd" or FusedAdamStep.rounding() is not None
     for (p_n, b_n, fused_n), (p_t, b_t, fused_t) in zip(native, torch_path):

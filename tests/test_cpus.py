@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lowband import cpus
+from lowband.runtime import cpus
 
 from .test_cli import SRC, lowband
 
@@ -41,14 +41,14 @@ def test_a_local_rank_outside_the_world_and_an_unknown_mode_are_errors():
         cpus.slice_for([0, 1], 2, 2)
     with pytest.raises(ValueError, match="--cpu-binding must be one of: none, spread"):
         cpus.bind("pinned")
-    from lowband.config import TrainConfig
+    from lowband.app.config import TrainConfig
     with pytest.raises(ValueError, match="--cpu-binding must be one of: none, spread, got 'pinned'"):
         TrainConfig(cpu_binding="pinned").validate()
 
 
 def _affinity_after_bind(mode: str, env: dict) -> list:
     """``cpus.bind`` in a fresh interpreter (the test process keeps all its cores)."""
-    code = ("import json, os; from lowband import cpus; got = cpus.bind(%r); "
+    code = ("import json, os; from lowband.runtime import cpus; got = cpus.bind(%r); "
             "print(json.dumps([got, sorted(os.sched_getaffinity(0))]))" % mode)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=SRC, **env))

@@ -2,7 +2,7 @@
 CPU bit for bit where the codec is deterministic, collectives keeping the input's device and
 dtype (gloo with CUDA tensors at world size 2, NCCL at world size 1), checkpointed state
 reloading onto the GPU, the pipeline's side stream ordered with the compute stream by events
-(lowband.streams) and its waits timed with CUDA events, and a short
+(lowband.comm.streams) and its waits timed with CUDA events, and a short
 ``lowband train --device cuda`` with a resume.
 
 benchmarks/gpu_check.sh runs these on a GPU machine; they passed on one H200 (docs/results.md,
@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowband import checkpoint
-from lowband.collectives.communicator import Communicator
-from lowband.compressors import COMPRESSORS, ErrorFeedback, build_compressor, make_compressor
-from lowband.device import to_device
-from lowband.pipeline import Pipeline, make_reducer
+from lowband.app import checkpoint
+from lowband.comm.communicator import Communicator
+from lowband.codecs import COMPRESSORS, ErrorFeedback, build_compressor, make_compressor
+from lowband.runtime.device import to_device
+from lowband.comm.pipeline import Pipeline
+from lowband.comm.reducer import make_reducer
 
 from .cli_runs import PAST_WARMUP, train as lowband_train
 from .distributed import run_distributed

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowband.data import (DEFAULT_DATA_DIR, FILES, DatasetError, ShardedBatches, load_fashion_mnist,
+from lowband.app.data import (DEFAULT_DATA_DIR, FILES, DatasetError, ShardedBatches, load_fashion_mnist,
                           make_synthetic)
 
 
@@ -111,7 +111,7 @@ def test_synthetic_is_deterministic_and_learnable_shape():
 
 # -- python-stdlib: byte windows of the standard library's sources ----------------------------
 
-from lowband.data import TEXT_WINDOW, load_python_stdlib, split_of, stdlib_dir, stdlib_files  # noqa: E402
+from lowband.app.data import TEXT_WINDOW, load_python_stdlib, split_of, stdlib_dir, stdlib_files  # noqa: E402
 
 
 def make_fake_stdlib(root, n_files=40):

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowband import checkpoint, cli, device
-from lowband.compressors.base import exact_divisor, scratch
-from lowband.config import TrainConfig
+from lowband.app import checkpoint, cli
+from lowband.runtime import device
+from lowband.codecs.base import exact_divisor, scratch
+from lowband.app.config import TrainConfig
 
 from .distributed import run_distributed
 
@@ -182,7 +183,7 @@ def test_cpsgd_measurement_over_overlapping_exact_ranges():
 def test_guard_reads_all_verdicts_back_at_once():
     """On an accelerator the guard reads its per-parameter tests back in one transfer
     (``first_false``); it must agree with the one-by-one loop the CPU keeps."""
-    from lowband.guard import ALL_FINITE, first_false
+    from lowband.engine.guard import ALL_FINITE, first_false
     gen = torch.Generator().manual_seed(5)
     for _ in range(50):
         n = int(torch.randint(1, 9, (1,), generator=gen))
@@ -200,7 +201,7 @@ CODEC_OPTIONS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}
 
 
 def _codec_cases():
-    from lowband.compressors import COMPRESSORS
+    from lowband.codecs import COMPRESSORS
     cases = [(name, META, torch.float32) for name in META_CODECS]
     return cases + [(name, torch.device("cpu"), dtype) for name in sorted(COMPRESSORS)
                     for dtype in (torch.float64, torch.bfloat16)]
@@ -208,7 +209,7 @@ def _codec_cases():
 
 @pytest.mark.parametrize("name, where, dtype", _codec_cases())
 def test_every_codec_keeps_device_and_dtype(name, where, dtype):
-    from lowband.compressors import build_compressor
+    from lowband.codecs import build_compressor
     x = torch.randn(64, 33).to(where, dtype)
     for ef in (False, True):
         codec = build_compressor(name, CODEC_OPTIONS.get(name, {}), error_feedback=ef)
@@ -224,9 +225,9 @@ METHODS = {"ssgd": {}, "compressed": {"warmup_steps": 2},
 def _float64(rank: int, world: int):
     """Collectives and methods on float64 tensors, with a parameter only rank 0 uses."""
     import lowband
-    from lowband.collectives.communicator import Communicator
-    from lowband.compressors import ErrorFeedback, make_compressor
-    from lowband.pipeline import make_reducer
+    from lowband.comm.communicator import Communicator
+    from lowband.codecs import ErrorFeedback, make_compressor
+    from lowband.comm.reducer import make_reducer
     from .training import PartlyUsed, batches, make_optimizer, train
     found = {}
     comm = Communicator()
@@ -238,7 +239,8 @@ def _float64(rank: int, world: int):
     comm.all_reduce(ints)
     comm.broadcast(x)
     reducer = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
-    mean = reducer.pipeline.all_reduce_mean(x).wait()
+    mean = x.clone()
+    comm.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
     coded = reducer.reduce(x, "b")
     reducer.close()
     found["collectives"] = [str(t.dtype) for t in (gathered, swapped, ints, x, mean, coded)]

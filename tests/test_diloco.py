@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import lowband
-from lowband.algorithms.diloco import CommitFailed, split_fragments, torchft_unavailable
-from lowband.collectives.wire import allreduce_bytes
+from lowband.algorithms.peers.diloco import CommitFailed, split_fragments, torchft_unavailable
+from lowband.comm.wire import allreduce_bytes
 
 from .distributed import run_distributed
 from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of, poisoned_steps

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lowband
-from lowband.compressors import kernels
+from lowband import _native as kernels
 
 from .distributed import run_distributed
 from .training import (ZEROING, PartlyUsed, SmallNet, assert_same_params_and_grads, batches, make_optimizer,

@@ -19,7 +19,7 @@ TIMEOUT_S = 6.0
 #: reset), not by waiting for the timeout, so this is deliberately far above KILL_NOTICE_S
 KILL_TIMEOUT_S = 120.0
 KILL_NOTICE_S = 15.0
-#: lowband.runner.TEARDOWN_S plus process start-up slack
+#: lowband.app.runner.TEARDOWN_S plus process start-up slack
 TEARDOWN_S = 5.0 + 5.0
 
 

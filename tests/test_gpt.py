@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import lowband
-from lowband import schedule as schedules, tasks
-from lowband.data import TEXT_WINDOW, ShardedBatches, TextWindows
+from lowband.app import lr_schedule as schedules, tasks
+from lowband.app.data import TEXT_WINDOW, ShardedBatches, TextWindows
 from lowband.algorithms.lazy import ForwardOrder, LazyPlan, input_side_layers
-from lowband.models import GPT, NgramGPT, make_model, ngram_hashes
+from lowband.app.models import GPT, NgramGPT, make_model, ngram_hashes
 
 from .distributed import run_distributed
 from .training import max_rel_err, train

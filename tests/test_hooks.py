@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lowband.hooks import CompressionHookState, compression_hook
+from lowband.integrations.ddp_hook import CompressionHookState, compression_hook
 
 from .distributed import run_distributed
 

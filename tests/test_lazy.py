@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband.agreement import ConfigMismatchError
+from lowband.comm.agreement import ConfigMismatchError
 from lowband.algorithms.lazy import (ForwardOrder, LazyPlan, default_lazy_layers, input_side_layers, interval_update,
                                      vote_update)
-from lowband.models import ResNet20
+from lowband.app.models import ResNet20
 
 from . import cli_runs
 from .distributed import run_distributed
-from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of, train
+from .training import SmallNet, batches, make_optimizer, max_rel_err, params_of
 
 STEPS = 24
 TAU_CYCLES = 12          # drop-to-1-and-rise cycles of the n = 1 test
@@ -116,7 +116,7 @@ def test_resnet20_lazy_set_follows_forward_order():
 
 
 def test_default_lazy_set_is_the_leading_embedding_tables_of_a_language_model():
-    from lowband.models import GPT, NgramGPT
+    from lowband.app.models import GPT, NgramGPT
 
     def lazy_set(model, inputs):
         recorder = ForwardOrder(input_side_layers(model))
@@ -237,7 +237,8 @@ def simulate(world: int, lazy_names: list[str], variant: str, window_step: str =
     tau steps the global sums are applied in one optimizer step, tau adapts from the probe.
     ``window_step="scaled"``: that step's change of the lazy parameters is multiplied by the
     window length n; ``"replay"``: the step takes the window's mean gradient, then n - 1 more
-    optimizer steps are taken with the regular parameters' gradients removed."""
+    optimizer steps are taken with the regular parameters' gradients removed. At the end the
+    open window is applied the same way, alone (``synchronize()``: nothing pending is dropped)."""
     torch.manual_seed(0)
     model = SmallNet()
     opt = make_optimizer("sgd", model)
@@ -246,7 +247,7 @@ def simulate(world: int, lazy_names: list[str], variant: str, window_step: str =
     iters = [batches(r, world).epoch(0) for r in range(world)]
     acc = {n: torch.zeros_like(p) for n, p in named.items() if n in lazy_names}
     tau, n_acc, history = 1, 0, []
-    layers = sorted({n.rsplit(".", 1)[0] for n in lazy_names}, key=lambda l: list(named).index(l + ".weight"))
+    layers = sorted({n.rsplit(".", 1)[0] for n in lazy_names}, key=lambda layer: list(named).index(layer + ".weight"))
     for t in range(STEPS):
         for w in workers:
             w.load_state_dict(model.state_dict())
@@ -272,8 +273,8 @@ def simulate(world: int, lazy_names: list[str], variant: str, window_step: str =
                 tau, _, _ = interval_update(torch.cat([mean[k].reshape(-1) for k in keys]),
                                             torch.cat([acc[k].reshape(-1) for k in keys]), n_acc, tau)
             else:
-                gs = [torch.cat([mean[k].reshape(-1) for k in lazy_names if k.startswith(l + ".")]) for l in layers]
-                accs = [torch.cat([acc[k].reshape(-1) for k in lazy_names if k.startswith(l + ".")]) for l in layers]
+                gs = [torch.cat([mean[k].reshape(-1) for k in lazy_names if k.startswith(layer + ".")]) for layer in layers]
+                accs = [torch.cat([acc[k].reshape(-1) for k in lazy_names if k.startswith(layer + ".")]) for layer in layers]
                 tau, _ = vote_update(gs, accs, tau)
             for n in acc:
                 acc[n].zero_()
@@ -290,6 +291,18 @@ def simulate(world: int, lazy_names: list[str], variant: str, window_step: str =
                 if n not in acc:
                     p.grad = None
             for _ in range(window - 1):
+                opt.step()
+    if n_acc:                                   # synchronize(): the open window, lazy layers only
+        for n, p in named.items():
+            p.grad = (acc[n] / n_acc if window_step == "replay" and n_acc > 1 else acc[n].clone()) if n in acc else None
+        before = {n: named[n].detach().clone() for n in acc}
+        opt.step()
+        if window_step == "scaled" and n_acc > 1:
+            with torch.no_grad():
+                for n in acc:
+                    named[n].copy_(before[n] + n_acc * (named[n] - before[n]))
+        if window_step == "replay":
+            for _ in range(n_acc - 1):
                 opt.step()
     return {n: p.detach().clone() for n, p in named.items()}, history
 
@@ -342,7 +355,8 @@ def simulate_split(world: int, lazy_layers: int):
     apart by use (a separate copy of the weight for the lookup and for the head), the head's part
     averaged every step, the lookup's accumulated with the wholly lazy parameters (``mid`` when
     lazy_layers=2) and added on sync steps; tau from the probe (``mid``, or the lookup's part
-    when it is the only lazy layer)."""
+    when it is the only lazy layer). At the end the open window is applied alone (the lookup's
+    part as the tied weight's only gradient)."""
     torch.manual_seed(0)
     model = TiedLM()
     opt = make_optimizer("sgd", model)
@@ -393,6 +407,10 @@ def simulate_split(world: int, lazy_layers: int):
             history.append((t + 1, tau))
         for n, p in named.items():
             p.grad = grads.get(n)
+        opt.step()
+    if n_acc:                                   # synchronize(): the open window
+        for n, p in named.items():
+            p.grad = acc[n].clone() if n in acc else None
         opt.step()
     return {n: p.detach().clone() for n, p in named.items()}, history
 
@@ -512,8 +530,8 @@ def test_bad_options():
 
 
 def test_bench_rows_and_report_show_tau_next_to_ssgd(tmp_path, capsys):
-    from lowband.bench import lazy_stats
-    from lowband.report import derive, lazy_table, plot_tau, print_tables
+    from lowband.app.bench import lazy_stats
+    from lowband.app.report import derive, lazy_table, plot_tau, print_tables
     steps = [{"step": t, "tau": tau, "lazy_synced": s}
              for t, (tau, s) in enumerate([(2, True), (2, False), (3, True), (3, False), (3, False), (2, True)], 1)]
     stats = lazy_stats(steps)

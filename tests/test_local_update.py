@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lowband.algorithms.local_update import FusedAdamStep, FusedSGDStep, TentativeStep, closed_form_kind
-from lowband.compressors import kernels
+from lowband.optim.tentative import FusedAdamStep, FusedSGDStep, TentativeStep, closed_form_kind
+from lowband import _native as kernels
 
 VARIANTS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),

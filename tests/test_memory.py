@@ -1,12 +1,12 @@
-"""lowband.memory: ``--malloc cached`` keeps a training step's pages (no page faults per step),
+"""lowband.runtime.memory: ``--malloc cached`` keeps a training step's pages (no page faults per step),
 ``system`` leaves glibc alone, and a bad mode is one clear error."""
 import subprocess
 import sys
 
 import pytest
 
-from lowband import memory
-from lowband.config import TrainConfig
+from lowband.runtime import memory
+from lowband.app.config import TrainConfig
 
 # ten 1 MiB blocks touched and freed per iteration, as a training step's activations: under
 # glibc's defaults the freed top of the heap may go back to the kernel and be faulted in again
@@ -14,7 +14,7 @@ from lowband.config import TrainConfig
 # on the heap); under ``cached`` the heap keeps them once it has grown
 _ITERATION_FAULTS = r"""
 import sys, torch
-from lowband import memory
+from lowband.runtime import memory
 settings = memory.configure(sys.argv[1])
 def minflt():
     with open("/proc/self/stat") as f:

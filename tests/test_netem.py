@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lowband import netem
-from lowband.collectives.wire import allreduce_bytes
+from lowband.comm.wire import allreduce_bytes
 from lowband.netem import EmulatedCluster, check_burst, cleanup_stale, parse_rate
 
 HERE = Path(__file__).resolve().parent
@@ -64,11 +64,25 @@ def test_parse_rate_rejects(text: str) -> None:
         parse_rate(text)
 
 
-def test_auto_burst() -> None:
-    assert netem.auto_burst(None) == netem.auto_burst(10**6) == "98304b"  # floor: one GSO packet + headers
-    assert netem.auto_burst(10**9) == "250000b"  # 2 ms at 1gbit
-    assert EmulatedCluster(2, 10**9).burst == "250000b"
-    assert EmulatedCluster(2, 10**9, burst="1mb").burst == "1mb"
+def test_paced_link_shape_keeps_every_message_within_a_fraction_of_a_millisecond_of_its_wire_time() -> None:
+    """The paced default: the lead any message can gain over bytes / rate (bucket / rate) stays
+    under 0.75 ms at every rate the bench offers, and under 0.2 ms from 200 Mbit/s up; packets
+    are whole MSS segments that fit the bucket."""
+    for rate in (10**6, 20 * 10**6, 50 * 10**6, 200 * 10**6, 10**9, 10**10):
+        shape = netem.paced(rate)
+        assert shape.model == "paced" and 1 <= shape.segments <= 44
+        assert shape.bucket_bytes >= shape.segments * 1514 + 86
+        if rate >= 20 * 10**6:
+            assert shape.lead_s <= 0.75e-3, (rate, shape)
+        if rate >= 200 * 10**6:
+            assert shape.lead_s <= 0.2e-3, (rate, shape)
+    assert netem.paced(10**9).segments > netem.paced(200 * 10**6).segments == 1
+    assert EmulatedCluster(2, 10**9).shape == netem.paced(10**9)
+    bursting = EmulatedCluster(2, 10**9, burst=1 << 20).shape
+    assert bursting.model == "bursting" and bursting.bucket_bytes == 1 << 20 and bursting.segments is None
+    assert "rtt 40 ms" in netem.paced(10**8, rtt_s=0.04).describe()
+    with pytest.raises(ValueError, match="rtt"):
+        netem.paced(10**8, rtt_s=-1)
 
 
 def test_check_available_is_one_line_or_none() -> None:
@@ -117,25 +131,55 @@ def _all_reduce_on(cluster: EmulatedCluster, size: int) -> list[dict]:
 
 
 def test_check_burst() -> None:
-    assert check_burst(8192) == "8192b" and check_burst(2048) == "2048b"
+    assert check_burst(8192) == 8192 and check_burst(2048) == 2048
     with pytest.raises(ValueError, match="at least 2048 bytes"):
         check_burst(1500)
 
 
+def _delivery_after_idle(burst: int | None, rate_text: str, size: int) -> float:
+    """Median seconds for one ``size`` message after 60 ms idle over a warmed TCP connection
+    between two workers (the probe of benchmarks/netem_link.py)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("netem_link", HERE.parent / "benchmarks" / "netem_link.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    result = probe.measure(rate_text, burst, [size], reps=3, idle_s=0.06, bulk_s=0.2)
+    return result["times"][str(size)]
+
+
 @needs_netns
-def test_a_message_within_the_automatic_bucket_passes_at_line_speed_but_not_within_a_small_one() -> None:
-    """tbf lets a full bucket through at line speed: after an idle period, a 48 KB all-reduce at
-    8 Mbit/s (48 ms of wire per rank) takes a few ms under the automatic 96 KB bucket, and about
-    its wire time under an 8 KB one (``--burst 8kb``: a link that does not burst)."""
-    rate, size = parse_rate("8mbit"), 48 * 1024
-    assert rate is not None
-    wire_s = allreduce_bytes(size, 2) * 8 / rate
-    seconds = {}
-    for burst in (None, check_burst(8 * 1024)):
-        with EmulatedCluster(2, rate, burst=burst) as c:
-            seconds[burst] = max(res["times"][0] for res in _all_reduce_on(c, size))
-    assert seconds[None] < 0.5 * wire_s, (seconds, wire_s)
-    assert seconds["8192b"] >= 0.7 * wire_s, (seconds, wire_s)
+def test_a_message_after_idle_pays_its_wire_time_on_the_default_link() -> None:
+    """The default (paced) link charges a 96 KB message after idle at 20 Mbit/s at least 0.85x of
+    bytes x 8 / rate; a bursting link with a 96 KB bucket (``--burst 96kb``) lets it through at
+    line speed, far under its wire time."""
+    size, rate = 96 * 1024, 20 * 10**6
+    ideal = size * 8 / rate
+    paced_s = _delivery_after_idle(None, "20mbit", size)
+    assert 0.85 * ideal <= paced_s <= 1.6 * ideal, (paced_s, ideal)
+    bursting_s = _delivery_after_idle(check_burst(192 * 1024), "20mbit", size)
+    assert bursting_s < 0.5 * ideal, (bursting_s, ideal)
+
+
+@needs_netns
+def test_paced_link_sets_small_packets_on_both_ends() -> None:
+    with EmulatedCluster(2, 50 * 10**6) as c:
+        for ns, dev in ((c.worker_ns[0], c.worker_if[0]), (c.hub_ns, c.hub_if[0])):
+            info = json.loads(subprocess.run(["ip", "-n", ns, "-j", "-d", "link", "show", "dev", dev],
+                                             capture_output=True, text=True, check=True).stdout)[0]
+            assert info["gso_max_segs"] == 1
+            qd = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+            bucket = int(re.search(r"burst (\d+)b", qd).group(1))   # tc shows it after rounding to time
+            assert "tbf" in qd and abs(bucket - c.shape.bucket_bytes) <= 16, qd
+
+
+def test_rtt_without_netem_is_one_line() -> None:
+    if netem.check_available() is not None:
+        pytest.skip("no network namespaces here")
+    if netem.has_qdisc("netem"):
+        pytest.skip("this kernel has netem; the refusal cannot be shown")
+    with pytest.raises(netem.NetemError, match="no netem qdisc"):
+        with EmulatedCluster(2, 10**7, rtt_s=0.04):
+            pass
 
 
 @needs_netns

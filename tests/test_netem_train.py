@@ -22,7 +22,7 @@ DEADLINE_S = 90
 
 def start(run_dir: Path, steps: int, rate: str = "100mbit") -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    cmd = [sys.executable, "-m", "lowband.cli", "train", "--workers", "2", "--model", "mlp", "--dataset", "synthetic",
+    cmd = [sys.executable, "-m", "lowband.app.cli", "train", "--workers", "2", "--model", "mlp", "--dataset", "synthetic",
            "--batch-size", "32", "--max-steps", str(steps), "--bandwidth", rate, "--no-progress",
            "--timeout", "20", "--run-dir", str(run_dir)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

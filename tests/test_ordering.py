@@ -8,7 +8,7 @@ queue's order: tests/test_pipeline.py), while
 ``ssgd`` and ``lazy`` issue theirs from the training thread. The engine's non-finite guard
 has a group of its own (its exchange may come before or after a bucket launched in ``step()``,
 which is why: docs/reliability.md), so it is compared as a sequence of its own. On CUDA the same queue runs its jobs on one side
-stream (lowband.streams), so this order is also the order of the stream's collectives."""
+stream (lowband.comm.streams), so this order is also the order of the stream's collectives."""
 from __future__ import annotations
 
 import threading
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import lowband
-from lowband.collectives import communicator
+from lowband.comm import communicator
 
 from .distributed import run_distributed
 from .training import PartlyUsed, batches, make_optimizer, train

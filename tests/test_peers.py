@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lowband
 from lowband.algorithms import make_algorithm
-from lowband.data import ShardedBatches, make_synthetic
+from lowband.app.data import ShardedBatches, make_synthetic
 
 from .distributed import run_distributed
 from .training import SmallNet, max_rel_err

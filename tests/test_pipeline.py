@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import lowband
-from lowband.collectives.communicator import Communicator
-from lowband.pipeline import Pipeline
+from lowband.comm.communicator import Communicator
+from lowband.comm.pipeline import Pipeline
 
 from .distributed import run_distributed
 from .training import PartlyUsed, SmallNet, batches, make_optimizer, train

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from lowband import checkpoint
-from lowband.metrics import format_table, read_jsonl
+from lowband.app import checkpoint
+from lowband.app.metrics import format_table, read_jsonl
 
 from .cli_runs import SMALL, train
 from .test_checkpoint import assert_same

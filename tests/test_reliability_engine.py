@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband.agreement import ReplicaMismatchError
+from lowband.comm.agreement import ReplicaMismatchError
 
 from .distributed import run_distributed
 from .training import SHORT_SCHEDULES as OPTIONS

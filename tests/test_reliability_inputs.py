@@ -10,8 +10,8 @@ import pytest
 
 from lowband.algorithms.base import OptionError, check_options
 from lowband.algorithms import ALGORITHMS
-from lowband.cli import main
-from lowband.schedule import CosineSchedule
+from lowband.app.cli import main
+from lowband.app.lr_schedule import CosineSchedule
 
 FAST = ["--dataset", "synthetic", "--model", "mlp", "--no-progress"]
 

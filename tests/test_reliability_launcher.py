@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from lowband.launcher import EXIT_PEER_LOST, LaunchResult, _cause
+from lowband.runtime.launcher import EXIT_PEER_LOST, LaunchResult, _cause
 
 KILLED, TERMINATED = -signal.SIGKILL, -signal.SIGTERM
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowband.report import derive, markdown_table, update_doc
+from lowband.app.report import derive, markdown_table, update_doc
 
 
 def row(algorithm, step_ms, bytes_sent=0.0, rate=200e6):
@@ -34,7 +34,7 @@ def test_update_doc_replaces_only_its_section(tmp_path):
 
 
 def test_bench_repeats_report_the_run_with_the_median_step_time():
-    from lowband.cli import median_runs
+    from lowband.app.cli import median_runs
     rows = [{"bandwidth": "none", "workers": 2, "algorithm": a, "median_step_ms": ms, "repeat": r}
             for r, (a, ms) in enumerate([("noop", 30.0), ("ssgd", 50.0), ("noop", 40.0), ("ssgd", 45.0),
                                          ("noop", 35.0), ("ssgd", 60.0)], 1)]
@@ -48,7 +48,7 @@ def test_bench_repeats_report_the_run_with_the_median_step_time():
 
 def test_bench_medians_leave_out_the_algorithms_logged_warm_up():
     """An fp32 warm-up of 100 slow steps must not pull a 200-step run's median toward it."""
-    from lowband.bench import WARMUP_STEPS, RunResult, steady_start
+    from lowband.app.bench import WARMUP_STEPS, RunResult, steady_start
     warm = [{"step_s": 0.100, "warmup": True} for _ in range(100)]
     steady = [{"step_s": 0.030 + 0.001 * (k % 3), "warmup": False} for k in range(100)]
     run = RunResult(config=None, summary={}, steps=warm + steady)
@@ -66,8 +66,8 @@ def test_bench_medians_leave_out_the_algorithms_logged_warm_up():
 def test_bench_says_when_a_run_never_left_its_warm_up(tmp_path, monkeypatch, capsys):
     """A bench shorter than the algorithm's warm-up reports the warm-up's step times: the row
     says how many steps the medians counted, and the command prints one line about it."""
-    from lowband import cli
-    from lowband.bench import RunResult
+    from lowband.app import cli
+    from lowband.app.bench import RunResult
     warm = [{"step": t, "step_s": 0.1, "compute_s": 0.05, "comm_wait_s": 0.05, "cpu_s": 0.05, "thread_cpu_s": 0.05,
              "bytes_sent": 100, "warmup": True} for t in range(1, 21)]
     assert RunResult(None, {}, warm).row()["steady_steps"] == 0
@@ -81,8 +81,8 @@ def test_bench_says_when_a_run_never_left_its_warm_up(tmp_path, monkeypatch, cap
         open(os.path.join(cfg.run_dir, "epochs.jsonl"), "w").close()
         steps = warm if cfg.algorithm == "cpsgd" else plain
         return RunResult(cfg, {"algorithm": cfg.algorithm, "workers": cfg.workers, "steps": 20}, steps).row()
-    monkeypatch.setattr("lowband.bench.run_on_link", fake_run)
-    monkeypatch.setattr("lowband.report.plot", lambda rows, out: [])
+    monkeypatch.setattr("lowband.app.bench.run_on_link", fake_run)
+    monkeypatch.setattr("lowband.app.report.plot", lambda rows, out: [])
     assert cli.main(["bench", "--algorithms", "noop,cpsgd", "--max-steps", "20", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "note: cpsgd x2 over none: all 20 steps were in the algorithm's warm-up" in err
@@ -95,8 +95,8 @@ def test_bench_rounds_run_the_algorithms_in_the_chosen_order(tmp_path, monkeypat
     every position over as many rounds; ``fixed`` (the default) keeps the listed order. Each
     round still has every configuration once, and the per-round ratios still pair each run with
     its own round's noop."""
-    from lowband import cli
-    from lowband.bench import RunResult
+    from lowband.app import cli
+    from lowband.app.bench import RunResult
     plain = [{"step": t, "step_s": 0.02, "compute_s": 0.01, "comm_wait_s": 0.01, "cpu_s": 0.01,
               "thread_cpu_s": 0.01, "bytes_sent": 100} for t in range(1, 21)]
     ran = []
@@ -107,8 +107,8 @@ def test_bench_rounds_run_the_algorithms_in_the_chosen_order(tmp_path, monkeypat
         open(os.path.join(cfg.run_dir, "epochs.jsonl"), "w").close()
         ran.append((os.path.basename(cfg.run_dir)[-2:], cfg.algorithm))
         return RunResult(cfg, {"algorithm": cfg.algorithm, "workers": cfg.workers, "steps": 20}, plain).row()
-    monkeypatch.setattr("lowband.bench.run_on_link", fake_run)
-    monkeypatch.setattr("lowband.report.plot", lambda rows, out: [])
+    monkeypatch.setattr("lowband.app.bench.run_on_link", fake_run)
+    monkeypatch.setattr("lowband.app.report.plot", lambda rows, out: [])
     assert cli.main(["bench", "--algorithms", "noop,ssgd,localsgd", "--max-steps", "20", "--repeat", "4",
                      "--order", order, "--out", str(tmp_path)]) == 0
     listed = ["noop", "ssgd", "localsgd"]
@@ -122,7 +122,7 @@ def test_bench_rounds_run_the_algorithms_in_the_chosen_order(tmp_path, monkeypat
 
 
 def test_round_order_of_no_algorithms_and_a_bad_order():
-    from lowband.bench import round_order
+    from lowband.app.bench import round_order
     assert round_order(0, 3, "rotate") == [] and round_order(2, 5, "rotate") == [1, 0]
     with pytest.raises(ValueError, match="--order must be one of: fixed, rotate, got 'random'"):
         round_order(2, 0, "random")
@@ -137,7 +137,7 @@ def test_round_ratios_pair_each_run_with_the_noop_of_its_own_round():
     """The machine drifts between rounds (noop 10, 20, 10 ms): each round's ratio is to its own
     noop (1.1, 1.1, 1.2 -> median 1.1), where a ratio of the medians over rounds reads 1.2; a
     round without noop is left out of the ratios, not paired with another round's."""
-    from lowband.report import round_ratios, rounds_table
+    from lowband.app.report import round_ratios, rounds_table
     runs = [_round("noop", 1, 10.0), _round("x", 1, 11.0, 13.0), _round("noop", 2, 20.0), _round("x", 2, 22.0, 26.0),
             _round("noop", 3, 10.0), _round("x", 3, 12.0, 12.5), _round("x", 4, 50.0),
             _round("noop", 1, 40.0, bandwidth="200mbit")]
@@ -156,7 +156,7 @@ def test_round_ratios_pair_each_run_with_the_noop_of_its_own_round():
 
 def test_report_prints_the_rounds_of_a_repeat_bench(tmp_path, capsys):
     import json
-    from lowband.report import main_report
+    from lowband.app.report import main_report
     runs = [dict(_round(a, rep, ms), median_compute_ms=ms, median_comm_wait_ms=0.0, median_bytes_sent=0.0,
                  steps=10, test_accuracy=0.5)
             for rep in (1, 2) for a, ms in (("noop", 10.0), ("x", 12.0))]

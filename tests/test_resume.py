@@ -7,7 +7,7 @@ import io
 import torch
 
 import lowband
-from lowband import tasks
+from lowband.app import tasks
 
 from .distributed import run_distributed
 from .training import SmallNet, batches, make_optimizer, params_of
@@ -20,6 +20,8 @@ OPTIONS = {
     "cpsgd": {"warmup_steps": 2, "correction_period": 3},
     "ddp-powersgd": {"start_powerSGD_iter": 2},
     "localsgd": {"warmup_steps": 1, "period": 3},
+    # rounds end at steps 2 and 4: saved mid-round with round 1's message in flight
+    "cp-diloco": {"sync_every": 2, "correction_every": 3},
 }
 #: registry algorithms without checkpoint support (torchft keeps their outer state itself)
 NO_CHECKPOINTS = {"diloco", "streaming-diloco"}
@@ -27,6 +29,8 @@ NO_CHECKPOINTS = {"diloco", "streaming-diloco"}
 VARIANTS = {
     "cpsgd/burst-flush": ("cpsgd", {"warmup_steps": 2, "correction": "burst", "correction_period": 2,
                                     "flush_residual_on_correction": True, "local_update": "sgd"}),
+    "cp-diloco/burst-blocking": ("cp-diloco", {"warmup_steps": 1, "sync_every": 2, "correction": "burst",
+                                               "correction_every": 2, "blocking_correction": True}),
     "cpsgd/adaptive": ("cpsgd", {"warmup_steps": 1, "correction_period": 2, "adapt_period": True,
                                  "min_period": 1, "max_period": 3}),
     # the tied embedding's lookup part is accumulated apart (tied="split"); saved mid-window
@@ -44,7 +48,7 @@ def _workload(kind: str, rank: int, world: int):
     """(model, optimizer) factory and an iterator of batches for SmallNet, ``tied`` or ``ngram``."""
     from .test_gpt import LOCAL, small_ngram_gpt, text_data
     from .test_lazy import TiedLM, _lm_batches
-    from lowband.data import ShardedBatches
+    from lowband.app.data import ShardedBatches
 
     def fresh():
         torch.manual_seed(0)

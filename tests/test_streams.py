@@ -16,9 +16,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from lowband.collectives.communicator import GPU_WAITS_COLLECT_AT, CommStats, Communicator
-from lowband.compressors import ErrorFeedback, make_compressor
-from lowband.pipeline import Pipeline, make_reducer
+from lowband.comm.communicator import GPU_WAITS_COLLECT_AT, CommStats, Communicator
+from lowband.codecs import ErrorFeedback, make_compressor
+from lowband.comm.pipeline import Pipeline
+from lowband.comm.reducer import make_reducer
 
 from .distributed import run_distributed
 
@@ -26,7 +27,7 @@ CUDA0 = torch.device("cuda", 0)
 
 
 class FakeCuda:
-    """A recording stand-in for the parts of ``torch.cuda`` that lowband.streams uses. Each
+    """A recording stand-in for the parts of ``torch.cuda`` that lowband.comm.streams uses. Each
     thread's current stream is ``compute`` (the training thread) or ``default`` (others);
     events complete when ``complete()`` says so; every call is logged."""
 
@@ -114,7 +115,7 @@ def _pipeline_checks(rank: int, world: int):
         reducer = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
         x = torch.randn(40)
         y = reducer.reduce(x, "b", [("w", 30), ("v", 10)], present=torch.tensor([True, False]))
-        mean = reducer.pipeline.all_reduce_mean(x).wait()
+        mean = reducer.start_full_precision(x, "mean").wait()
         reducer.state_dict()
         out["cpu"] = (y.device.type, reducer.pipeline.side.stream, torch.equal(mean, x), comm.stats.comm_wait_s > 0)
         reducer.close()

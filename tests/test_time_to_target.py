@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lowband.report import (ACCURACY_TARGET_SHARE, UNTRAINED_LM_LOSS, plot_to_target, target_summary, target_table,
+from lowband.app.report import (ACCURACY_TARGET_SHARE, UNTRAINED_LM_LOSS, plot_to_target, target_summary, target_table,
                             time_to_target)
 
 
@@ -51,9 +51,9 @@ def test_without_an_ssgd_run_there_is_no_target():
 
 def test_summary_names_the_winner_and_the_misses(tmp_path):
     lines = target_summary(rows())
-    assert any(l.startswith("cnn, 2 workers, 20mbit: target test accuracy >= 76.00%; first: cpsgd after 4.0 s")
-               and "(ssgd 15.0 s)" in l and "not reached within the run: diloco" in l for l in lines)
-    assert any(l.startswith("gpt, 2 workers, 20mbit: target validation loss <= ") and "first: lazy" in l for l in lines)
+    assert any(line.startswith("cnn, 2 workers, 20mbit: target test accuracy >= 76.00%; first: cpsgd after 4.0 s")
+               and "(ssgd 15.0 s)" in line and "not reached within the run: diloco" in line for line in lines)
+    assert any(line.startswith("gpt, 2 workers, 20mbit: target validation loss <= ") and "first: lazy" in line for line in lines)
     table = target_table(rows())
     assert "| cnn | 20mbit | 2 | cpsgd |" in table and "| yes |" in table
     assert sorted(plot_to_target(rows(), str(tmp_path))) == ["to_target_cnn.png", "to_target_gpt.png"]

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
-from lowband.compressors.kernels import triton_codecs  # noqa: E402  (decorated under the interpreter)
+from lowband._native import triton_codecs  # noqa: E402  (decorated under the interpreter)
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from lowband.compressors import kernels  # noqa: E402
-from lowband.compressors.bitpack import words_for  # noqa: E402
+from lowband import _native as kernels  # noqa: E402
+from lowband.codecs.bitpack import words_for  # noqa: E402
 
 from .test_bucket_codec import CODECS, _bits, _bucket, _data, _lib, _native_encode, _same_bits, _skip  # noqa: E402
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lowband.compressors import DEFAULT_TWO_BIT_OPTIONS, build_compressor
-from lowband.compressors import ErrorFeedback, TwoBitQuantizer, make_compressor
+from lowband.codecs import DEFAULT_TWO_BIT_OPTIONS, build_compressor
+from lowband.codecs import ErrorFeedback, TwoBitQuantizer, make_compressor
 
 
 def _reference(r: torch.Tensor, a: float, block: int | None) -> tuple[torch.Tensor, list[float]]:

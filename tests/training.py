@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
-from lowband import tasks
-from lowband.data import ShardedBatches, make_synthetic
+from lowband.app import tasks
+from lowband.app.data import ShardedBatches, make_synthetic
 
 LOCAL_BATCH = 8
 DATA_SIZE = 1024
@@ -20,6 +20,7 @@ SHORT_SCHEDULES: dict[str, dict[str, Any]] = {
     "cpsgd": {"warmup_steps": 2, "correction_period": 3},
     "ddp-powersgd": {"start_powerSGD_iter": 2},
     "localsgd": {"warmup_steps": 1, "period": 3},
+    "cp-diloco": {"sync_every": 3, "correction_every": 2},
     "diloco": {"sync_every": 4},
     "streaming-diloco": {"sync_every": 4},
 }
@@ -69,7 +70,7 @@ def batches(rank: int, world: int, local_batch: int = LOCAL_BATCH) -> ShardedBat
 
 def train(model: nn.Module, optimizer, batches: ShardedBatches, step_fn: Callable[[], None], steps: int,
           forward: Optional[Callable] = None) -> dict[str, torch.Tensor]:
-    """``steps`` iterations of cross-entropy training (``lowband.tasks.loss``: classes or a
+    """``steps`` iterations of cross-entropy training (``lowband.app.tasks.loss``: classes or a
     language model's bytes); returns the parameters."""
     forward = forward or model
     it = batches.epoch(0)

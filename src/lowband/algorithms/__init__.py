@@ -6,18 +6,20 @@ from typing import Any
 from .base import Algorithm, EngineContext, OptionError, check_fields, check_options
 from .compressed import CompressedSGD
 from .cpsgd import CPSGD
+from .cp_diloco import CPDiLoCo
 from .lazy import LazyUpdate
 from .noop import NoComm
 from .ssgd import SSGD
-from .ddp import DDP, DDPFP16, DDPPowerSGD
-from .localsgd import LocalSGD
-from .diloco import DiLoCo, StreamingDiLoCo
+from .peers.ddp import DDP, DDPFP16, DDPPowerSGD
+from .peers.localsgd import LocalSGD
+from .peers.diloco import DiLoCo, StreamingDiLoCo
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     SSGD.name: SSGD,
     NoComm.name: NoComm,
     CompressedSGD.name: CompressedSGD,
     CPSGD.name: CPSGD,
+    CPDiLoCo.name: CPDiLoCo,
     LazyUpdate.name: LazyUpdate,
     # peers lowband is compared against (docs/peers.md)
     DDP.name: DDP,
@@ -59,5 +61,5 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "LazyUpdate", "DDP", "DDPFP16", "DDPPowerSGD",
+__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "CPDiLoCo", "LazyUpdate", "DDP", "DDPFP16", "DDPPowerSGD",
            "LocalSGD", "DiLoCo", "StreamingDiLoCo", "ALGORITHMS", "register", "make_algorithm"]

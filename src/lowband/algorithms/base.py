@@ -38,7 +38,34 @@ from typing import Any, Callable, ClassVar, ContextManager, Optional, Sequence, 
 import torch
 from torch import nn
 
-from ..collectives.communicator import Communicator
+from ..comm.communicator import Communicator
+
+
+@dataclass(frozen=True)
+class GradientClip:
+    """A request to clip gradients to a total ``norm_type``-norm of at most ``max_norm``
+    (:meth:`lowband.Engine.clip_grad_norm_`), applied by the algorithm where its table in
+    docs/architecture.md says: for the synchronous ones to the averaged gradient, right before
+    the optimizer step, as a DDP script's ``clip_grad_norm_`` does."""
+
+    max_norm: float
+    norm_type: float = 2.0
+
+    def apply(self, grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        """Clip ``grads`` (None entries skipped) in place and return their total norm before
+        clipping: the operations of ``torch.nn.utils.clip_grad_norm_`` in the same order, so
+        the result equals it bit for bit for the same tensors in the same order."""
+        present = [g for g in grads if g is not None]
+        if not present:
+            return torch.tensor(0.0)
+        total = torch.nn.utils.get_total_norm(present, self.norm_type)
+        coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+        by_device: dict[tuple, list[torch.Tensor]] = {}
+        for g in present:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), group in by_device.items():
+            torch._foreach_mul_(group, coef.to(device))
+        return total
 
 
 @dataclass
@@ -57,6 +84,22 @@ class EngineContext:
     #: step's communication and before the optimizer; it raises
     #: :class:`lowband.NonFiniteGradientError` on every rank for a bad step
     decide_finiteness: Optional[Callable[[Sequence[int]], None]] = None
+    #: the clipping requested for the coming step (:meth:`lowband.Engine.clip_grad_norm_`;
+    #: None: none). Set by the engine before ``step()`` and cleared after it; the algorithm
+    #: applies it with :meth:`clip_gradients`
+    clip: Optional[GradientClip] = None
+    #: the total norm that the last applied clipping measured (before clipping)
+    grad_norm: Optional[torch.Tensor] = None
+
+    def clip_gradients(self, grads: Sequence[Optional[torch.Tensor]], clip: Optional[GradientClip] = None,
+                       record: bool = True) -> None:
+        """Clip ``grads`` in place by ``clip`` (default: this step's request; nothing when
+        there is none); ``record``: keep the measured norm in ``grad_norm``."""
+        clip = self.clip if clip is None else clip
+        if clip is not None:
+            norm = clip.apply(grads)
+            if record:
+                self.grad_norm = norm
 
     @property
     def rank(self) -> int:
@@ -91,6 +134,17 @@ class BoundAlgorithm(ABC):
 
     #: whether the engine should call :meth:`on_gradient_ready` during backward
     uses_gradient_hooks: ClassVar[bool] = True
+    #: whether :meth:`on_gradient_ready` takes the gradient's values (copies them into a
+    #: bucket, hands them to a reducer) and ``step()`` writes the average back over ``.grad``:
+    #: a change the user makes to ``.grad`` between backward() and step() (their own
+    #: ``clip_grad_norm_``) would then be lost, so the engine refuses it with one line
+    captures_gradients: ClassVar[bool] = False
+    #: whether ``step()`` applies ``ctx.clip`` (:meth:`lowband.Engine.clip_grad_norm_`); an
+    #: algorithm that does not is refused the request with one line
+    clips: ClassVar[bool] = False
+    #: whether :meth:`lowband.Engine.rebuild` may close this binding and bind the algorithm
+    #: anew to another parameter set (False: state outside lowband is tied to the old one)
+    rebuildable: ClassVar[bool] = True
 
     def __init__(self, cfg: Algorithm, ctx: EngineContext) -> None:
         self.cfg = cfg
@@ -131,13 +185,13 @@ class BoundAlgorithm(ABC):
         model (or any other rank) only at a later ``step()`` (a depth-1 pipeline; a local step
         between averages), so the engine's finiteness check may be decided at the start of
         the next one, overlapping with the next iteration and with no per-step barrier
-        (:mod:`lowband.guard`). Asked once per iteration, before ``step()``."""
+        (:mod:`lowband.engine.guard`). Asked once per iteration, before ``step()``."""
         return False
 
     def carries_finiteness(self) -> bool:
         """True if this iteration's gradients are checked for NaN/Inf by the algorithm itself,
         inside its own messages, so that the engine's guard needs neither its per-gradient test
-        nor its exchange (:mod:`lowband.guard`). Only asked when the guard's policy is "raise";
+        nor its exchange (:mod:`lowband.engine.guard`). Only asked when the guard's policy is "raise";
         then every gradient of the iteration, captured ones included, must be checked. With
         :meth:`gradients_applied_late` the decision is deferred and :meth:`finiteness_verdict`
         answers for it later; without, ``step()`` itself must call ``ctx.decide_finiteness``

@@ -11,12 +11,13 @@ from typing import Any, ClassVar, Optional
 import numpy as np
 import torch
 
-from ..collectives.compressed import COLLECTIVE_CHOICES
-from ..collectives.wire import MIB
-from ..compressors import COMPRESSORS, build_compressor
-from ..pipeline import CompressedReducer, Handle, make_reducer
+from ..comm.plans import COLLECTIVE_CHOICES
+from ..comm.wire import MIB
+from ..codecs import COMPRESSORS, build_compressor
+from ..comm.pipeline import Handle
+from ..comm.reducer import CompressedReducer, make_reducer
 from .base import Algorithm, BoundAlgorithm, EngineContext
-from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup
+from .warmup import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup
 from .buckets import Bucket, BucketSet
 
 
@@ -42,15 +43,14 @@ class CompressedSGD(Algorithm):
         collective: ``two-stage`` (compressed all_to_all + server re-compression + all_gather,
             O(1) bytes per rank in N), ``allgather`` (every payload to every rank, exact sum of
             the decoded payloads, O(N)) or ``auto`` (the default: allgather up to 4 ranks,
-            two-stage above; ``lowband.collectives.compressed.resolve_collective``).
+            two-stage above; ``lowband.comm.plans.resolve_collective``).
         error_feedback: keep a per-bucket residual (worker side; the two-stage server keeps
             its own). Without it biased codecs stall.
         bucket_mb: bucket size cap in MiB, as DDP's ``bucket_cap_mb`` (25). Bigger than
             ``ssgd``'s 1: every bucket costs a codec call, one or two gloo collectives and the
-            thread hand-offs, about 1 ms of CPU per step that a 1-core worker cannot hide,
-            while its compressed bytes are few to overlap with backward. Measured on cnn, 2
-            workers (docs/compression.md, "Bucket size"): one bucket was faster than 1 MiB
-            buckets in 6 of 6 paired rounds over loopback and 200mbit.
+            thread hand-offs, CPU per step that a 1-core worker cannot hide, while its
+            compressed bytes are few to overlap with backward (docs/compression.md, "Bucket
+            size").
         overlap: as for ``ssgd``.
         compress_vectors: also compress 1-D parameters (biases, BatchNorm scales). Off by
             default, as in PyTorch's PowerSGD hook: they are <1% of the elements of typical
@@ -61,26 +61,23 @@ class CompressedSGD(Algorithm):
         warmup_steps: steps averaged with plain fp32 all-reduce before compression starts (as
             PowerSGD's ``start_powerSGD_iter``, DeepSpeed's ``freeze_step``, CP-SGD's 1000
             S-SGD iterations): early gradients are large and change fast, when compression
-            error hurts most. The default, 100 steps, is ~10% of the 2-epoch ResNet-20 run that
-            reached S-SGD's accuracy within 1 pp only with it (docs/compression.md); set 0 for a
+            error hurts most. The default, 100 steps, is about a tenth of the 2-epoch ResNet-20
+            run that reached S-SGD's accuracy only with it (docs/compression.md); set 0 for a
             compressed-from-step-one baseline. The hooks' ``start_compress_iter`` is the same knob.
         inline_last_bucket: on the CPU, run the last bucket's job (encode, collective, decode)
             on the training thread when ``step()`` waits for it and no earlier bucket is still
             in flight, instead of on the pipeline's thread: nothing runs beside that job (backward
             has ended), so the thread would add only two hand-offs. Same collectives in the
             same order, same values (``Pipeline.submit``'s ``inline``; docs/compression.md).
-            Measured on cnn, 2 workers over loopback (docs/results.md, "Thirtieth session"):
-            the median step 0.2-0.5 ms lower in 5 of 5 paired rounds. False: every job on the
-            thread (CUDA always).
+            It shortens the step slightly on the CPU. False: every job on the thread (CUDA
+            always).
         gradient_as_bucket_view: as DDP's knob of that name, off by default as there: the
             compressed steps' average is decoded into the bucket itself (the reducer's
             ``in_place``) and each ``.grad`` becomes its parameter's view of the bucket, instead
             of a new output copied into the gradients: one pass over the gradients and the
             output's allocation less per step, and the gradients' too where the loop sets them
-            to None (``BucketSet.write_gradients``). Measured on
-            cnn, 2 workers over loopback (docs/results.md, "Thirty-first session"): the copy's
-            0.2 ms of training-thread CPU per step goes, the step time does not move beyond this
-            machine's noise. The views are overwritten by the next backward's gradients, so a
+            to None (``BucketSet.write_gradients``). It saves the training thread's copy; the
+            step time barely moves. The views are overwritten by the next backward's gradients, so a
             ``.grad`` kept across steps silently changes: opt in where no code does that.
         encode_from_gradients: on the CPU, with a codec that has native kernels (2-bit, 1-bit),
             compressed steps neither copy the gradients of coded parameters into the bucket nor
@@ -90,11 +87,8 @@ class CompressedSGD(Algorithm):
             residuals and results, bit for bit; two passes over the gradients less per step.
             Warm-up steps, exact (1-D) parameters and gradients that are not contiguous fp32 are
             copied as before; coded parameters' gradients then never become views of the bucket
-            (``gradient_as_bucket_view`` applies to the rest). Measured on cnn, 2 workers over
-            loopback (docs/results.md, "Thirty-second session"): the training thread's copies
-            0.8-0.9 -> 0.35-0.4 ms per step, the process's CPU per step lower in 3 of 3 pairs,
-            the median step over noop 1.10 -> 1.08. False: copy every gradient in and every
-            average out.
+            (``gradient_as_bucket_view`` applies to the rest). It halves the training thread's
+            copies. False: copy every gradient in and every average out.
 
     Each parameter is compressed on its own (layer-wise scales and thresholds) and its
     residual is keyed by its name; all parameters of a bucket travel in one collective, and
@@ -131,6 +125,8 @@ class BoundCompressedSGD(BoundAlgorithm):
     """Synchronous compressed SGD bound to one engine: buckets, reducer (residuals), step count."""
 
     cfg: CompressedSGD
+    captures_gradients: ClassVar[bool] = True
+    clips: ClassVar[bool] = True
 
     def __init__(self, cfg: CompressedSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
@@ -198,6 +194,8 @@ class BoundCompressedSGD(BoundAlgorithm):
         if carried:
             buckets = self.buckets.buckets
             self.ctx.decide_finiteness(first_nonfinite(buckets, [b.handle for b in buckets], self.ctx.world_size))
+        if self.ctx.clip is not None:     # the averaged (decoded) gradient, as under ssgd
+            self.ctx.clip_gradients([p.grad for p in self.ctx.params])
         self.ctx.optimizer.step()
         self.buckets.reset()
         self.steps_done += 1

@@ -1,4 +1,4 @@
-"""CP-SGD: compressed, pipelined SGD with full-precision correction (spec A.2).
+"""CP-SGD: compressed, pipelined SGD with full-precision correction.
 
 Per worker: global weights W (identical on every rank; the user's optimizer acts on them),
 compute weights w (the model's parameters), a worker residual e, one communication in flight.
@@ -38,7 +38,6 @@ bit for bit. Evaluation: :meth:`global_parameters` returns W with the in-flight 
 """
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 import time
@@ -47,15 +46,16 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ..collectives.wire import MIB
-from ..compressors import build_compressor
-from ..device import to_device
-from ..pipeline import make_collective
-from .base import Algorithm, BoundAlgorithm, EngineContext
+from ..comm.wire import MIB
+from ..codecs import build_compressor
+from ..runtime.device import to_device
+from ..comm.reducer import make_reducer
+from .base import Algorithm, BoundAlgorithm, EngineContext, GradientClip
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments, first_nonfinite
-from .local_update import FusedAdamStep, FusedSGDStep, TentativeStep, closed_form_kind, param_group_of
-from .schedule import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
+from ..optim.tentative import (FusedAdamStep, FusedSGDStep, TentativeStep, closed_form_kind, hyperparameters,
+                               param_group_of, using_hyperparameters)
+from .warmup import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup, share_bounds
 
 LOCAL_UPDATES = ("optimizer", "sgd", "none")
 CORRECTIONS = ("spread", "burst")
@@ -101,9 +101,8 @@ class PeriodController:
 @dataclass
 class LinkFitController:
     """The link-fitting correction period: the spread correction's fp32 share costs bytes every
-    step, and on a slow link they no longer hide behind one compute step (docs/cpsgd.md: cnn at
-    50 Mbit/s, k = 20 sends 0.21 MB per step, 33 ms of wire against a 30 ms step). This rule makes
-    k as small as the link allows.
+    step, and on a slow link they no longer hide behind one compute step (docs/cpsgd.md). This
+    rule makes k as small as the link allows.
 
     Measured on every rank over the last k steps: ``busy``, the median of the time the
     background thread spends running one step's jobs (codec and network), and ``compute``, the
@@ -149,12 +148,12 @@ class CPSGD(Algorithm):
 
         compressor, compressor_options, collective: as for ``compressed``; the default is
             the 2-bit codec on the ``auto`` collective (allgather up to 4 ranks: one
-            quantization, 0.42 pp more accuracy at 4 ranks than two-stage; two-stage above).
+            quantization, more accurate than two-stage's two; two-stage above; docs/cpsgd.md).
         bucket_mb: bucket size. 64 (one bucket for most models), not ``compressed``'s 1:
             the pipeline hides communication behind the next iteration, not behind
-            backward, so small buckets buy no overlap and each costs a fixed ~1 ms of CPU
+            backward, so small buckets buy no overlap and each costs a fixed amount of CPU
             per step (two gloo collectives, a codec call, the glue) that a 1-core worker
-            cannot hide: measured in docs/cpsgd.md. (The fp32 warm-up then overlaps nothing
+            cannot hide (docs/cpsgd.md). (The fp32 warm-up then overlaps nothing
             with backward either.)
         warmup_steps: plain synchronous full-precision SGD for this many steps first (the
             paper's code: 1000 iterations). Early gradients are large and change fast, which
@@ -176,8 +175,8 @@ class CPSGD(Algorithm):
         fit_max_period: the largest k ``fit_period`` may choose.
         flush_residual_on_correction: True (the default) adds the residual of an element
             that is sent exact to its exact contribution and zeroes it; False (the paper's
-            code) leaves the residual untouched there. Measured on the ResNet-20 protocol
-            (4 workers, 2 seeds): True 90.18%, False 89.96%, ssgd 90.27% (docs/cpsgd.md).
+            code) leaves the residual untouched there. True is the closer to ssgd's accuracy
+            on the ResNet-20 protocol (docs/cpsgd.md).
         compress_vectors: also compress 1-D parameters (biases, BatchNorm scales). Off by
             default, as in ``compressed``: they are <1% of the elements of typical convnets, and
             their gradients matter more per element; they then always travel in fp32.
@@ -258,40 +257,28 @@ class BoundCPSGD(BoundAlgorithm):
     the step in flight, the correction cycle and the adaptive period's statistics."""
 
     cfg: CPSGD
+    captures_gradients: ClassVar[bool] = True
+    clips: ClassVar[bool] = True
 
     # -- setup ---------------------------------------------------------------------------
     def __init__(self, cfg: CPSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
         codec = build_compressor(self.cfg.compressor, self.cfg.compressor_options, error_feedback=True)
-        self.reducer = make_collective(self.cfg.collective, ctx.comm, codec)
-        start = inspect.signature(self.reducer.start).parameters
-        # the CONTRACT's exact= / present= when the reducer has them; else a side channel:
-        # exact shares and per-parameter flags in one fp32 all-reduce per step on the same queue
-        self.native = "exact" in start and "present" in start
+        self.reducer = make_reducer(self.cfg.collective, ctx.comm, codec)
         # double buffered: a pipelined bucket goes to the reducer uncopied (``copy=False``);
         # step t's job is waited for in step t + 1, before step t + 2 refills its buffer
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.cfg.bucket_mb * MIB), self._launch,
                                  double_buffered=True)
-        self.uncopied = "copy" in start
-        # the warm-up's last bucket on the training thread, where the reducer offers it
-        self.inline_warmup = self.cfg.inline_last_bucket and \
-            "inline" in inspect.signature(self.reducer.start_full_precision).parameters
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
-        # 1-D parameters are always averaged exactly (unless compress_vectors): in the bucket's own
-        # message where the reducer takes exact_segments=, else as ranges on the side channel
+        # 1-D parameters are always averaged exactly (unless compress_vectors), in the bucket's own
+        # message (the reducer's exact_segments=); their ranges are recorded with the exact shares
         self.exact_segments = [exact_vector_segments(ctx.params, b.param_indices, self.cfg.compress_vectors)
                                for b in self.buckets.buckets]
-        self.inline_vectors = self.native and "exact_segments" in start
         self.vector_ranges = [[] if ex is None else
                               [(o, o + ctx.params[i].numel()) for i, o, x in zip(b.param_indices, b.offsets, ex) if x]
                               for b, ex in zip(self.buckets.buckets, self.exact_segments)]
-        # the NaN/Inf check rides on the buckets' flag bytes (when the engine's policy asks for
-        # it) where every gradient value is in a bucket's message (not moved to the side channel)
-        self.checks_finite = ctx.decide_finiteness is not None and "check_finite" in start and \
-            (self.inline_vectors or (self.native and not any(self.vector_ranges)))
-        if self.cfg.flush_residual_on_correction and self.cfg.correction == "spread" and not self.native:
-            raise ValueError("cpsgd: flush_residual_on_correction with the spread correction needs a reducer "
-                             "with start(..., exact=, flush_exact=)")
+        # the NaN/Inf check rides on the buckets' flag bytes when the engine's policy asks for it
+        self.checks_finite = ctx.decide_finiteness is not None
         self.warmup = Warmup(self.cfg.warmup_steps)
         self.controller = PeriodController(self.cfg.min_period, self.cfg.max_period)
         self.fit = (LinkFitController(self.cfg.correction_period, self.cfg.fit_max_period)
@@ -371,35 +358,23 @@ class BoundCPSGD(BoundAlgorithm):
         key, segs, t = f"bucket{b.index}", self.segments[b.index], self.t
         if self.in_warmup(t):
             # step() waits for the last bucket as soon as it is launched (backward has ended)
-            inline = {"inline": True} if self.inline_warmup and b.index == len(self.buckets.buckets) - 1 else {}
-            return self.reducer.start_full_precision(b.buffer, key, **inline)   # gradients and flags
+            inline = self.cfg.inline_last_bucket and b.index == len(self.buckets.buckets) - 1
+            return self.reducer.start_full_precision(b.buffer, key, inline=inline)   # gradients and flags
         flight = self._launching
         if self.is_burst(t):
-            flush = self.cfg.flush_residual_on_correction
             flight.ranges.append((b.index, 0, b.numel))
-            if self.native:
-                return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush,
-                                                         present=b.flags > 0)
-            flight.add_flags(b)
-            return self.reducer.start_full_precision(b.grads, key, segs, flush_residuals=flush)
+            return self.reducer.start_full_precision(b.grads, key, segs,
+                                                     flush_residuals=self.cfg.flush_residual_on_correction,
+                                                     present=b.flags > 0)
         exact = self.exact_range(b, t)
-        for r in self.vector_ranges[b.index]:           # taken before the share (see _InFlight.result)
-            flight.add_exact(b, r, take=not self.inline_vectors)
+        for r in self.vector_ranges[b.index]:
+            flight.add_exact(b, r)
         if exact is not None:
-            flight.add_exact(b, exact, take=not self.native)
-        present = b.present()
-        check = {"check_finite": True} if self.checks_finite else {}
-        if self.uncopied:
-            check["copy"] = False
-        if self.inline_vectors:
-            return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
-                                      flush_exact=self.cfg.flush_residual_on_correction,
-                                      exact_segments=self.exact_segments[b.index], **check)
-        if self.native:
-            return self.reducer.start(b.grads, key, segs, exact=exact, present=present,
-                                      flush_exact=self.cfg.flush_residual_on_correction, **check)
-        flight.add_flags(b)
-        return self.reducer.start(b.grads, key, segs)
+            flight.add_exact(b, exact)
+        return self.reducer.start(b.grads, key, segs, exact=exact, present=b.present(),
+                                  flush_exact=self.cfg.flush_residual_on_correction,
+                                  exact_segments=self.exact_segments[b.index], check_finite=self.checks_finite,
+                                  copy=False)
 
     def on_gradient_ready(self, index: int) -> None:
         if self._launching is None and not self.in_warmup(self.t):
@@ -415,18 +390,27 @@ class BoundCPSGD(BoundAlgorithm):
             for b in self.buckets.buckets:
                 b.buffer.copy_(b.handle.wait())
                 self.buckets.write_gradients(b)
+            if self.ctx.clip is not None:                 # the averaged gradient, as under ssgd
+                self.ctx.clip_gradients([p.grad for p in self.ctx.params])
             self.ctx.optimizer.step()
         else:
             flight = self._launching
             flight.seal([b.handle for b in self.buckets.buckets], self._measure)
+            # the average is clipped and applied with the request and settings of this step
+            # when it reaches W (a step later, or at drain())
+            flight.clip, flight.hyper = self.ctx.clip, hyperparameters(self.ctx.optimizer)
             self._measure = None
             local_grads = [p.grad for p in self.ctx.params]
+            if self.cfg.adapt_period:
+                self._prev_local = [None if g is None else g.detach().clone() for g in local_grads]
             averaged = None
             if not self.pipelining:                       # pipeline (re)start: W = current weights
                 torch._foreach_copy_(self.W, self.w)
                 self.pipelining = True
             elif self.in_flight is not None:
                 averaged = self._global_gradients(self.in_flight)
+            if self.ctx.clip is not None:                 # the look-ahead's own gradient, on its own
+                self.ctx.clip_gradients(local_grads, record=averaged is None)
             if self.fused_step is not None:               # W <- opt(W, G); w <- local_update(W, g)
                 none = [None] * len(local_grads)
                 self.fused_step.step(self.W, none if averaged is None else averaged, local_grads, self.w)
@@ -434,8 +418,6 @@ class BoundCPSGD(BoundAlgorithm):
                 if averaged is not None:
                     self._step_global(averaged)
                 self._local_update(local_grads)
-            if self.cfg.adapt_period:
-                self._prev_local = [None if g is None else g.detach().clone() for g in local_grads]
             self.in_flight = flight
             if self.phase(t) is not None and (self.cfg.correction == "spread" or self.is_burst(t)):
                 self.corrections += 1
@@ -502,7 +484,7 @@ class BoundCPSGD(BoundAlgorithm):
                 self._fit_agreed = flight.measure
             else:
                 self._stats += flight.measure
-        return grads
+        return flight.clipped()
 
     def _apply_to_global(self, flight: "_InFlight") -> None:
         self._step_global(self._global_gradients(flight))
@@ -521,9 +503,13 @@ class BoundCPSGD(BoundAlgorithm):
                         w.add_(g, alpha=-(groups[k]["lr"] if self.cfg.local_lr is None else self.cfg.local_lr))
 
     def drain(self) -> None:
-        """Finish the in-flight step; the model then holds W and the pipeline restarts empty."""
+        """Finish the in-flight step; the model then holds W and the pipeline restarts empty.
+        The in-flight average is applied with the settings (learning rate) and the clipping
+        of the step that computed it, not with what a scheduler has set since: at the end of
+        a cosine schedule that would be 0."""
         if self.in_flight is not None:
-            self._apply_to_global(self.in_flight)
+            with using_hyperparameters(self.ctx.optimizer, self.in_flight.hyper):
+                self._apply_to_global(self.in_flight)
             self.in_flight = None
         if self.pipelining:
             torch._foreach_copy_(self.w, self.W)
@@ -540,7 +526,9 @@ class BoundCPSGD(BoundAlgorithm):
             return self.W
         if self._eval is None:
             self._eval = [torch.empty_like(W) for W in self.W]
-        self.tentative.step(self.W, self.in_flight.result(), self._eval)
+        flight = self.in_flight
+        with using_hyperparameters(self.ctx.optimizer, flight.hyper):
+            self.tentative.step(self.W, flight.clipped(copy=True), self._eval)
         return self._eval
 
     def step_metrics(self) -> dict[str, Any]:
@@ -571,6 +559,9 @@ class BoundCPSGD(BoundAlgorithm):
             grads = self.in_flight.result()
             state["in_flight"] = {n: g.clone() for n, g in zip(names, grads) if g is not None}
             state["in_flight_exact"] = [list(r) for r in self.in_flight.ranges]
+            clip = self.in_flight.pending_clip()
+            state["in_flight_clip"] = None if clip is None else [clip.max_norm, clip.norm_type]
+            state["in_flight_hyper"] = self.in_flight.hyper
             if self.in_flight.measure is not None:
                 state["in_flight_measure"] = self.in_flight.measure.clone()
         if self._measure is not None:
@@ -603,6 +594,9 @@ class BoundCPSGD(BoundAlgorithm):
             self.in_flight = _InFlight.resolved(self, [pending.get(n) for n in names],
                                                 to_device(state.get("in_flight_measure"), device),
                                                 [tuple(r) for r in state.get("in_flight_exact", [])])
+            clip = state.get("in_flight_clip")
+            self.in_flight.clip = None if clip is None else GradientClip(*clip)
+            self.in_flight.hyper = state.get("in_flight_hyper")
         self._measure = to_device(state.get("measure"), device)
         prev = to_device(state.get("prev_local"), device)
         self._prev_local = None if prev is None else [prev.get(n) for n in names]
@@ -618,22 +612,23 @@ class BoundCPSGD(BoundAlgorithm):
 
 
 class _InFlight:
-    """One pipelined step's communication: a handle per bucket plus, without the reducer's
-    ``exact=``/``present=``, a side channel (one fp32 all-reduce on the same queue, behind the
-    buckets) carrying each bucket's exact share and every parameter's had-a-gradient flag; the
-    adaptive rule's measurements ride on it too. ``result()`` waits once and returns the
-    averaged gradient per parameter (None where no rank had one)."""
+    """One pipelined step's communication: a handle per bucket plus, at the steps that send
+    them, the adaptive rules' measurements (one fp32 all-reduce on the same queue, behind the
+    buckets). ``result()`` waits once and returns the averaged gradient per parameter (None
+    where no rank had one)."""
 
     def __init__(self, algo: "BoundCPSGD"):
         self.algo = algo
         self.handles: list = []
         self.ranges: list[tuple[int, int, int]] = []          # (bucket, lo, hi) averaged exactly
-        self.taken: list[tuple[int, int, int, torch.Tensor]] = []   # those on the side channel, with values
-        self.flag_parts: list[tuple[int, torch.Tensor]] = []
-        self.side = None
+        self.side = None                                       # the measurements' all-reduce
         self.measure: Optional[torch.Tensor] = None            # agreed means of the measurements
-        self._n_measure = 0
         self._result: Optional[list[Optional[torch.Tensor]]] = None
+        #: the clipping requested at the step that launched it (engine.clip_grad_norm_), applied
+        #: once to the average (:meth:`clipped`), and that step's optimizer settings
+        self.clip: Optional[GradientClip] = None
+        self._clipped = False
+        self.hyper: Optional[list[dict]] = None
 
     @classmethod
     def resolved(cls, algo: "BoundCPSGD", grads, measure, ranges) -> "_InFlight":
@@ -641,27 +636,35 @@ class _InFlight:
         f._result, f.measure, f.ranges = grads, measure, list(ranges)
         return f
 
-    def add_flags(self, b: Bucket) -> None:
-        self.flag_parts.append((b.index, b.flags.clone()))
-
-    def add_exact(self, b: Bucket, exact: tuple[int, int], take: bool) -> None:
-        """Record the exact share; with ``take`` move it to the side channel (copy, then zero
-        it in the compressed path)."""
+    def add_exact(self, b: Bucket, exact: tuple[int, int]) -> None:
+        """Record a range of bucket ``b`` the reducer averages exactly."""
         lo, hi = exact
         self.ranges.append((b.index, lo, hi))
-        if take:
-            self.taken.append((b.index, lo, hi, b.grads[lo:hi].clone()))
-            b.grads[lo:hi].zero_()
 
     def seal(self, handles: list, measure: Optional[torch.Tensor]) -> None:
-        """All buckets are launched: send the side channel (if any) behind them."""
+        """All buckets are launched: send the measurements (if any) behind them."""
         self.handles = handles
-        parts = [x for *_, x in self.taken] + [f for _, f in self.flag_parts]
         if measure is not None:
-            parts.append(measure)
-            self._n_measure = measure.numel()
-        if parts:
-            self.side = self.algo.reducer.start_full_precision(torch.cat(parts), "cpsgd-side")
+            self.side = self.algo.reducer.start_full_precision(measure, "cpsgd-side")
+
+    def pending_clip(self) -> Optional[GradientClip]:
+        """The clipping still to apply to :meth:`result` (None: none, or done)."""
+        return None if self._clipped else self.clip
+
+    def clipped(self, copy: bool = False) -> list[Optional[torch.Tensor]]:
+        """:meth:`result` clipped by :attr:`clip` (in place, once); ``copy``: on copies,
+        leaving the result as it is (evaluation before the step that applies it)."""
+        grads = self.result()
+        clip = self.pending_clip()
+        if clip is None:
+            return grads
+        if copy:
+            grads = [None if g is None else g.clone() for g in grads]
+            self.algo.ctx.clip_gradients(grads, clip, record=False)
+            return grads
+        self.algo.ctx.clip_gradients(grads, clip)
+        self._clipped = True
+        return grads
 
     def busy_s(self) -> Optional[float]:
         """The pipeline thread's time running this step's jobs (codec and network; None for a
@@ -684,22 +687,9 @@ class _InFlight:
         algo = self.algo
         buckets = algo.buckets.buckets
         outs = [h.wait() for h in self.handles]
-        present = [getattr(h, "present", None) for h in self.handles] if algo.native else [None] * len(buckets)
+        present = [h.present for h in self.handles]
         if self.side is not None:
-            side = self.side.wait()
-            offsets, off = [], 0
-            for bi, lo, hi, _ in self.taken:
-                offsets.append(off)
-                off += hi - lo
-            # written in reverse order of taking: a share taken after a 1-D parameter's range
-            # carries zeros there, and the parameter's own values must win
-            for (bi, lo, hi, _), o in reversed(list(zip(self.taken, offsets))):
-                outs[bi][lo:hi] = side[o:o + hi - lo]
-            for bi, f in self.flag_parts:
-                present[bi] = side[off:off + f.numel()] > 0
-                off += f.numel()
-            if self._n_measure:
-                self.measure = side[off:off + self._n_measure].to(torch.float64)
+            self.measure = self.side.wait().to(torch.float64)
         grads: list[Optional[torch.Tensor]] = [None] * len(algo.ctx.params)
         for b, out, pres in zip(buckets, outs, present):
             flags = None if pres is None else pres.tolist()

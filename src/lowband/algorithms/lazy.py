@@ -1,4 +1,4 @@
-"""Lazy parameter update with an adaptive update interval (spec A.4, B.2).
+"""Lazy parameter update with an adaptive update interval (PCNN's lazy update).
 
 Input-side layers get their gradients *last* in backprop, so their communication cannot hide
 behind computation. This algorithm lets those layers ("lazy" layers) accumulate their local
@@ -40,16 +40,17 @@ tau steps and added to the weight's gradient on sync steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..agreement import check_agreement
-from ..collectives.communicator import flatten
-from ..collectives.wire import MIB
-from .base import Algorithm, BoundAlgorithm, EngineContext
+from ..comm.agreement import check_agreement
+from ..comm.communicator import flatten
+from ..comm.wire import MIB
+from ..optim.tentative import hyperparameters, unhooked_step, using_hyperparameters
+from .base import Algorithm, BoundAlgorithm, EngineContext, GradientClip
 from .buckets import Bucket, BucketSet
 
 VARIANTS = ("probe", "vote")
@@ -192,18 +193,18 @@ class LazyUpdate(Algorithm):
         lazy_layers: how many input-side parameterized layers (forward order, norm layers
             excluded) are lazy. ``None`` (default): when the model's forward starts with
             embedding lookups (a language model), the leading run of embedding layers, the
-            tables being its input side (measured on ``gpt`` and ``gpt-ngram``, docs/lazy.md:
-            lazy transformer blocks cost 5-12% validation loss under AdamW); otherwise PCNN's
+            tables being its input side (lazy transformer blocks cost validation loss under
+            AdamW: docs/lazy.md); otherwise PCNN's
             8, but at most half of the model's layers: 8 is conv1, stage 1 and the stage-2
             projection of ResNet-20 (8 of 21 layers, 5% of the weights), whereas on a 4-layer
-            LeNet it would make the 400K-weight fc1 lazy too (measured: diverges at lr 0.05,
-            momentum 0.9); the paper targets the input side, not most of the model. 0 = S-SGD.
+            LeNet it would make the large fc1 lazy too (which diverges at the cnn's default
+            learning rate); the paper targets the input side, not most of the model. 0 = S-SGD.
         variant: ``"probe"`` (the released code: the deepest lazy layer decides) or ``"vote"``
             (the angle test on every lazy layer; its latest gradients are all reduced at syncs).
         tau_max: optional cap on the interval (not in the paper's code; None = no cap).
         bucket_mb: bucket cap for the regular layers' overlapped all-reduce.
         window_step: what a sync does with the window's summed gradient. ``"sum"`` (the
-            spec, B.2.3): one optimizer step with it; under SGD that moves a lazy layer about
+            paper's): one optimizer step with it; under SGD that moves a lazy layer about
             as far as the window's n ordinary steps. ``"scaled"``: the same step, then the
             lazy parameters' change is multiplied by n; for optimizers whose step does not grow
             with the gradient's size (Adam, AdamW: one step on the sum moves about one learning
@@ -214,21 +215,17 @@ class LazyUpdate(Algorithm):
             which is what the interval rule checks (not in the paper's code; n - 1 extra
             optimizer steps over the lazy parameters only). ``"auto"`` (default):
             ``"scaled"`` for the parameters of lazy embedding layers under an adaptive
-            optimizer (``ADAPTIVE_OPTIMIZERS``), ``"sum"`` for everything else. Measured
-            (AdamW, 200 steps, 2 seeds, docs/lazy.md): on ``gpt-ngram``'s lazy embedding
-            tables ``"scaled"`` ends 0.1% below ``ssgd``'s validation loss against 10.6% above
-            for ``"sum"``; on lazy transformer layers it is the other way round (``gpt`` +21%
-            against +5%; ``gpt-ngram`` with 8 lazy layers +33% against +12%): a table row's
-            update follows from few, consistent gradients, a dense layer's from many noisy
-            ones that ``ssgd``'s Adam steps partly cancel.
+            optimizer (``ADAPTIVE_OPTIMIZERS``), ``"sum"`` for everything else: under AdamW
+            ``"scaled"`` keeps lazy embedding tables at ``ssgd``'s validation loss where
+            ``"sum"`` falls behind, and on lazy transformer layers it is the other way round
+            (docs/lazy.md): a table row's update follows from few, consistent gradients, a
+            dense layer's from many noisy ones that ``ssgd``'s Adam steps partly cancel.
         tied: a weight tied between a lazy layer and a regular one (an input embedding tied to
             the output head). ``"regular"`` (default): the whole weight is regular, averaged
             every step. ``"split"``: the lazy layer's gradient contribution is lazy, the regular
-            layers' is averaged every step (module docstring). Measured on ``gpt`` (2 and 4
-            workers, 200mbit and 1gbit, docs/lazy.md): ``split`` sent no fewer bytes (the
-            head's part still goes every step), shortened the exposed wait at 200 Mbit/s by
-            5-15% but not the step, and ended 0.6-0.7% higher in validation loss, hence not
-            the default.
+            layers' is averaged every step (module docstring). ``split`` sends no fewer bytes
+            (the head's part still goes every step), does not shorten the step and ends with a
+            higher validation loss on ``gpt`` (docs/lazy.md), hence not the default.
     """
 
     lazy_layers: Optional[int] = None
@@ -263,6 +260,8 @@ class BoundLazyUpdate(BoundAlgorithm):
     the accumulators, the interval tau and the window counters."""
 
     cfg: LazyUpdate
+    captures_gradients: ClassVar[bool] = True
+    clips: ClassVar[bool] = True
 
     # -- binding: every layer is regular until the forward order is known ---------------------
     def __init__(self, cfg: LazyUpdate, ctx: EngineContext) -> None:
@@ -279,6 +278,9 @@ class BoundLazyUpdate(BoundAlgorithm):
         self.syncs = 0
         self.t = 0
         self.synced = False          # whether the lazy layers synchronized on the last step
+        #: the last step's optimizer settings and clipping: drain() applies the open window with them
+        self._last_hyper: Optional[list[dict]] = None
+        self._last_clip: Optional[GradientClip] = None
 
     def _set_plan(self, plan: Optional[LazyPlan]) -> None:
         params = self.ctx.params
@@ -423,6 +425,10 @@ class BoundLazyUpdate(BoundAlgorithm):
             sync_handle.wait()
             self._finish_sync(fused)
         scaled = self._scaled_window(window) if self.synced else []
+        if self.ctx.clip is not None:      # the gradient this step applies (lazy ones on sync steps)
+            self.ctx.clip_gradients([p.grad for p in params])
+        if self.accumulated:
+            self._last_hyper, self._last_clip = hyperparameters(self.ctx.optimizer), self.ctx.clip
         self.ctx.optimizer.step()
         for p, before in scaled:       # before + n (after - before)
             p.data.sub_(before).mul_(window).add_(before)
@@ -459,7 +465,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         params = self.ctx.params
         return [(params[i], params[i].detach().clone()) for i in self.scaled_indices if params[i].grad is not None]
 
-    def _replay(self, steps: int) -> None:
+    def _replay(self, steps: int, step: Optional[Callable[[], Any]] = None) -> None:
         """``window_step="replay"``: ``steps`` more optimizer steps of the wholly lazy parameters
         on the window's mean gradient (their ``.grad``); every other parameter's gradient is
         held aside meanwhile, so the optimizer skips it, and put back."""
@@ -470,7 +476,7 @@ class BoundLazyUpdate(BoundAlgorithm):
             p.grad = None
         try:
             for _ in range(steps):
-                self.ctx.optimizer.step()
+                (step or self.ctx.optimizer.step)()
         finally:
             for p, g in held:
                 p.grad = g
@@ -491,7 +497,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         return self.ctx.comm.all_reduce(fused, op=dist.ReduceOp.AVG, async_op=True), fused
 
     def _finish_sync(self, fused: torch.Tensor) -> None:
-        params, cursor = self.ctx.params, [0]
+        cursor = [0]
 
         def take(n: int) -> torch.Tensor:
             piece = fused[cursor[0]:cursor[0] + n]
@@ -501,14 +507,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         accs = [take(a.numel()) for a in self.acc]          # the sums over the window of global means
         # host reads, on sync steps only: these flags and the interval rule's norms are decisions (docs/architecture.md)
         flags = take(len(self.acc)).tolist()
-        wholly = len(self.lazy_indices)
-        replay = self.cfg.window_step == "replay" and self.n > 1     # n steps of the window's mean
-        for k, i in enumerate(self.accumulated):
-            part = accs[k].view_as(params[i])
-            if k < wholly:
-                params[i].grad = (part / self.n if replay else part.clone()) if flags[k] > 0 else None
-            elif flags[k] > 0:        # a split weight: this step's regular part + the window's lazy part
-                params[i].grad = part.clone() if params[i].grad is None else params[i].grad.add_(part)
+        self._window_gradients(accs, flags)
         latest = {k: take(self.acc[k].numel()) for k in self._latest_needed()}
         if self.n == 1:
             tau = self.tau + 1                       # A == g: both tests hold with equality
@@ -519,11 +518,95 @@ class BoundLazyUpdate(BoundAlgorithm):
             tau, _ = vote_update([torch.cat([latest[k] for k in layer]) for layer in self.vote_layers],
                                  [torch.cat([accs[k] for k in layer]) for layer in self.vote_layers], self.tau)
         self.tau = self._capped(tau)
+        self._close_window()
+        self.syncs += 1
+
+    def _window_gradients(self, accs: list[torch.Tensor], flags: list[float]) -> None:
+        """The window's averaged sums (and had-a-gradient flags) become the lazy parameters'
+        ``.grad`` for the optimizer step that closes the window."""
+        params = self.ctx.params
+        wholly = len(self.lazy_indices)
+        replay = self.cfg.window_step == "replay" and self.n > 1     # n steps of the window's mean
+        for k, i in enumerate(self.accumulated):
+            part = accs[k].view_as(params[i])
+            if k < wholly:
+                params[i].grad = (part / self.n if replay else part.clone()) if flags[k] > 0 else None
+            elif flags[k] > 0:        # a split weight: this step's regular part + the window's lazy part
+                params[i].grad = part.clone() if params[i].grad is None else params[i].grad.add_(part)
+
+    def _close_window(self) -> None:
         for a in self.acc:
             a.zero_()
         self.had.zero_()
         self.n = 0
-        self.syncs += 1
+
+    def drain(self) -> None:
+        """Apply the open window: its accumulated gradients are averaged (one all-reduce) and
+        applied by one optimizer step of the lazy parameters, as a sync at the last step
+        would have (``window_step``, the last step's optimizer settings and clipping); tau
+        stays (the interval rule needs a sync's latest gradient) and ``syncs`` counts the
+        scheduled syncs only. Every other gradient is
+        held aside meanwhile, so only the lazy parameters move."""
+        if self.accumulated and self.n:
+            self._flush(self.ctx.optimizer.step)
+
+    def _flush(self, step: Callable[[], Any]) -> None:
+        """:meth:`drain`'s work, with ``step`` as the optimizer step."""
+        params, window = self.ctx.params, self.n
+        fused = flatten(self.acc + [self.had])
+        self.ctx.comm.all_reduce(fused, op=dist.ReduceOp.AVG)
+        sizes = [a.numel() for a in self.acc]
+        accs = list(fused[:sum(sizes)].split(sizes))
+        flags = fused[sum(sizes):].tolist()
+        held = [(p, p.grad) for p in params]
+        try:
+            for p in params:
+                p.grad = None
+            self._window_gradients(accs, flags)
+            scaled = self._scaled_window(window)
+            with using_hyperparameters(self.ctx.optimizer, self._last_hyper):
+                if self._last_clip is not None:
+                    self.ctx.clip_gradients([p.grad for p in params], self._last_clip, record=False)
+                step()
+                for p, before in scaled:
+                    p.data.sub_(before).mul_(window).add_(before)
+                if window > 1 and self.cfg.window_step == "replay":
+                    self._replay(window - 1, step)
+        finally:
+            for p, g in held:
+                p.grad = g
+        self._close_window()
+
+    @torch.no_grad()
+    def global_parameters(self) -> Optional[list[torch.Tensor]]:
+        """With a window open: the parameters as :meth:`drain` would leave them (the same
+        all-reduce and optimizer steps, without step hooks), on copies; the parameters, the
+        optimizer's state and settings and the window are put back. None otherwise (the
+        model's own parameters are the global model)."""
+        if not self.accumulated or not self.n:
+            return None
+        params, opt = self.ctx.params, self.ctx.optimizer
+        values = [p.detach().clone() for p in params]
+        state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+                 for p in params if p in opt.state}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        window = ([a.clone() for a in self.acc], self.had.clone(), self.n)
+        try:
+            self._flush(lambda: unhooked_step(opt))
+            return [p.detach().clone() for p in params]
+        finally:
+            for p, v in zip(params, values):
+                p.copy_(v)
+                if p in state:
+                    opt.state[p] = state[p]
+                else:
+                    opt.state.pop(p, None)
+            for g, saved in zip(opt.param_groups, groups):
+                g.update(saved)
+            acc, had, self.n = window
+            for a, b in zip(self.acc, acc):
+                a.copy_(b)
+            self.had.copy_(had)
 
     # -- what users see --------------------------------------------------------------------------
     def step_metrics(self) -> dict[str, Any]:
@@ -557,6 +640,9 @@ class BoundLazyUpdate(BoundAlgorithm):
             "forward_order": list(self.plan.order) if self.plan is not None else None,
             "accumulators": {self.ctx.names[i]: a.clone() for i, a in zip(self.accumulated, self.acc)},
             "had_gradient": self.had.clone(),
+            # what drain() applies the open window with
+            "last_settings": self._last_hyper,
+            "last_clip": None if self._last_clip is None else [self._last_clip.max_norm, self._last_clip.norm_type],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -576,6 +662,9 @@ class BoundLazyUpdate(BoundAlgorithm):
         for name, a in zip(names, self.acc):
             a.copy_(saved[name])
         self.had.copy_(state["had_gradient"])
+        self._last_hyper = state.get("last_settings")
+        clip = state.get("last_clip")
+        self._last_clip = None if clip is None else GradientClip(*clip)
 
     def close(self) -> None:
         self._remove_routes()

@@ -13,7 +13,7 @@ from typing import ClassVar, Optional
 import torch
 
 from .base import Algorithm, BoundAlgorithm, EngineContext
-from ..collectives.communicator import flatten, unflatten_into
+from ..comm.communicator import flatten, unflatten_into
 
 
 @dataclass
@@ -30,8 +30,11 @@ class BoundNoComm(BoundAlgorithm):
     """Each rank steps on its own gradient."""
 
     uses_gradient_hooks: ClassVar[bool] = False
+    clips: ClassVar[bool] = True
 
     def step(self) -> None:
+        if self.ctx.clip is not None:     # the local gradient (there is no other)
+            self.ctx.clip_gradients([p.grad for p in self.ctx.params])
         self.ctx.optimizer.step()
 
     def gradients_applied_late(self) -> bool:

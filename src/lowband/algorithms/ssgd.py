@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
-from ..collectives.wire import MIB
+from ..comm.wire import MIB
 from .base import Algorithm, BoundAlgorithm, EngineContext
 from .buckets import Bucket, BucketSet
 
@@ -48,6 +48,8 @@ class BoundSSGD(BoundAlgorithm):
     """S-SGD bound to one engine: its gradient buckets."""
 
     cfg: SSGD
+    captures_gradients: ClassVar[bool] = True
+    clips: ClassVar[bool] = True
 
     def __init__(self, cfg: SSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
@@ -64,5 +66,7 @@ class BoundSSGD(BoundAlgorithm):
         for b in self.buckets.buckets:
             b.handle.wait()
             self.buckets.write_gradients(b, as_views=self.cfg.gradient_as_bucket_view)
+        if self.ctx.clip is not None:     # DDP + clip_grad_norm_: the averaged gradient
+            self.ctx.clip_gradients([p.grad for p in self.ctx.params])
         self.ctx.optimizer.step()
         self.buckets.reset()

@@ -8,12 +8,14 @@ from .cluster import (
     NS_PREFIX,
     EmulatedCluster,
     NetemError,
-    auto_burst,
     check_available,
     check_burst,
     cleanup_stale,
+    has_qdisc,
     parse_rate,
 )
+from .link import LinkShape, bursting, paced
 
-__all__ = ["MAX_WORLD_SIZE", "NS_PREFIX", "EmulatedCluster", "NetemError", "auto_burst", "check_available",
-           "check_burst", "cleanup_stale", "parse_rate"]
+__all__ = ["MAX_WORLD_SIZE", "NS_PREFIX", "EmulatedCluster", "NetemError", "check_available",
+           "check_burst", "cleanup_stale", "has_qdisc", "parse_rate",
+           "LinkShape", "paced", "bursting"]

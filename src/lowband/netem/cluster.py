@@ -42,7 +42,9 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+from .link import FRAME_BYTES, LinkShape, bursting, check_burst, paced
 
 __all__ = [
     "NetemError",
@@ -50,7 +52,8 @@ __all__ = [
     "check_available",
     "cleanup_stale",
     "EmulatedCluster",
-    "auto_burst",
+    "has_qdisc",
+    "check_burst",
 ]
 
 #: Prefix of every namespace we create; cleanup_stale only ever touches these.
@@ -66,20 +69,6 @@ STATE_DIR = Path(os.environ.get("LOWBAND_NETEM_STATE_DIR", "/run/lowband"))
 IFNAME_MAX = 15
 #: Seconds a single ip/tc call may take before we call it hung.
 CMD_TIMEOUT_S = 30.0
-#: tbf bucket = this many seconds of the configured rate when burst is not given.
-#: Why: a fixed 64kb bucket is < 1 ms at 1gbit; tbf then throttles constantly, its
-#: watchdog dequeues on the other CPU, packets of one flow get reordered and TCP does
-#: spurious SACK recovery (measured: 0.70 of 1gbit for gloo).  2 ms keeps throughput at
-#: ~0.95 of rate while letting at most 2 ms worth of data pass at line speed.
-AUTO_BURST_S = 0.002
-#: Lower bound of the automatic burst. tbf software-segments every packet longer than its
-#: bucket, and a full 64 KB GSO packet plus headers is longer than 64 KB: with a 64 KB floor
-#: (the value tc's docs and MACHINE-FACTS use) each 1.7 MB all-reduce at 200mbit was cut
-#: into MTU-sized packets that crossed veth, bridge and TCP one by one, on the workers' own
-#: cores: ssgd burnt 77-80 ms of CPU per step against 53 over loopback (cnn, 2 workers).
-#: 96 KB holds one GSO packet with room for headers: 57 ms, the same link rate
-#: (docs/netem.md). At >= 400mbit the 2 ms rule already gives more.
-MIN_BURST_BYTES = 96 * 1024
 #: TCP congestion control on the workers' data link (the subnet's route in each worker
 #: namespace): Linux's default, whatever the host uses.
 #: Why not inherit: a new namespace takes the host's setting, and this machine's is BBR. Behind
@@ -211,26 +200,6 @@ def parse_rate(text: str) -> int | None:
     return bits
 
 
-#: The smallest tbf bucket lowband accepts: one full MTU frame (1,514 bytes) must fit, or tbf
-#: drops every frame that is not a GSO packet it can cut.
-MIN_EXPLICIT_BURST_BYTES = 2048
-
-
-def check_burst(burst_bytes: int) -> str:
-    """An explicit tbf bucket (bytes) in tc syntax, or ``ValueError`` when one frame would not fit."""
-    if burst_bytes < MIN_EXPLICIT_BURST_BYTES:
-        raise ValueError(f"burst must be at least {MIN_EXPLICIT_BURST_BYTES} bytes (2kb: one MTU frame), "
-                         f"got {burst_bytes}")
-    return f"{int(burst_bytes)}b"
-
-
-def auto_burst(rate_bits: int | None) -> str:
-    """Default tbf burst for a rate, in tc syntax (bytes): see AUTO_BURST_S."""
-    if rate_bits is None:
-        return f"{MIN_BURST_BYTES}b"
-    return f"{max(MIN_BURST_BYTES, int(rate_bits * AUTO_BURST_S / 8))}b"
-
-
 def _data_route(ns: str, dev: str, address: str) -> list[str]:
     """argv that puts the subnet's route in ``ns`` on ``dev`` with :data:`CONGESTION_CONTROL`.
 
@@ -260,7 +229,8 @@ def check_available() -> str | None:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "add", "lbprobe0", "type", "veth", "peer", "name", "lbprobe1"])
         _run(["tc", "-n", ns, "qdisc", "add", "dev", "lbprobe0", "root", "tbf",
-              "rate", "1mbit", "burst", auto_burst(None), "latency", "50ms"])
+              "rate", "1mbit", "burst", "3000b", "latency", "50ms"])
+        _run(["ip", "-n", ns, "link", "set", "dev", "lbprobe0", "gso_max_size", str(1514), "gso_max_segs", "1"])
         for dev in ("lbprobe1", "lbprobe0"):
             _run(["ip", "-n", ns, "link", "set", "dev", dev, "up"])
         _run(["ip", "-n", ns, "addr", "add", f"{SUBNET_PREFIX}.1/{SUBNET_BITS}", "dev", "lbprobe0"])
@@ -326,6 +296,48 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def _shape_commands(ns: str, dev: str, shape: LinkShape, latency: str) -> list[list[str]]:
+    """argv list that shapes one hop (``dev`` in ``ns``) as ``shape`` says."""
+    cmds: list[list[str]] = []
+    if shape.segments is not None:
+        size = max(shape.segments * FRAME_BYTES, FRAME_BYTES)
+        cmds.append(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(size),
+                     "gso_max_segs", str(shape.segments)])
+    if shape.rate_bits is not None:
+        cmds.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
+                     "rate", f"{shape.rate_bits}bit", "burst", f"{shape.bucket_bytes}b", "latency", latency])
+    if shape.rtt_s > 0:
+        parent = ["parent", "1:1"] if shape.rate_bits is not None else ["root"]
+        cmds.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "netem",
+                     "delay", f"{shape.hop_delay_s * 1e6:.0f}us", "limit", "100000"])
+    return cmds
+
+
+_QDISC_CACHE: dict[str, bool] = {}
+
+
+def has_qdisc(kind: str) -> bool:
+    """Whether this kernel can attach a ``kind`` qdisc that needs no parameters (netem, htb,
+    pfifo; tried on a veth in a scratch namespace; the answer is cached for the process)."""
+    if kind in _QDISC_CACHE:
+        return _QDISC_CACHE[kind]
+    ns = f"{NS_PREFIX}-{os.getpid()}-q{secrets.token_hex(2)}-hub"
+    ok = False
+    try:
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "add", "lbq0", "type", "veth", "peer", "name", "lbq1"])
+        ok = _run(["tc", "-n", ns, "qdisc", "add", "dev", "lbq0", "root", kind], check=False).returncode == 0
+    except NetemError:
+        ok = False
+    finally:
+        try:
+            _delete_netns(ns)
+        except NetemError:
+            pass
+    _QDISC_CACHE[kind] = ok
+    return ok
+
+
 # ---------------------------------------------------------------------------
 # the cluster
 
@@ -342,18 +354,23 @@ class EmulatedCluster:
         world_size: int,
         rate_bits: int | None,
         *,
-        burst: str | None = None,
+        burst: Optional[int] = None,
+        rtt_s: float = 0.0,
         latency: str = "50ms",
         run_id: str | None = None,
         terminate_stragglers: bool = True,
     ) -> None:
-        """burst/latency are tbf parameters (tc syntax).  burst None = automatic:
-        max(MIN_BURST_BYTES (96 KB), AUTO_BURST_S of the rate), i.e. 96 KB up to 393 mbit and
-        250000b at 1gbit (see AUTO_BURST_S and MIN_BURST_BYTES).  A message up to the bucket
-        passes at line speed once the link has been idle long enough to refill it (e.g. during
-        a compute step): give a small burst (:func:`check_burst`) to model a link that never
-        bursts.  latency 50ms bounds the tbf queue (bufferbloat) without dropping TCP's normal
-        bursts.
+        """Every worker's uplink and downlink are shaped to ``rate_bits`` (None: unshaped).
+
+        burst: None (default) gives a *paced* link (:func:`lowband.netem.link.paced`): small
+        packets and a bucket of a fraction of a millisecond, so a message after an idle period
+        takes about its bytes / rate. A number of bytes gives a *bursting* link instead: the
+        kernel's 64 KB packets and a bucket of that size, which passes at line speed once a
+        compute step has refilled it (a policer that allows bursts).
+        rtt_s: round-trip propagation delay between two workers, added with the netem qdisc on
+        every hop; :class:`NetemError` with one line when the kernel has no netem.
+        latency: tbf's queue bound (bufferbloat) in tc syntax; 50ms drops none of TCP's
+        normal bursts.
         terminate_stragglers: on close, kill processes still inside the worker
         namespaces (they would hang in gloo without a network)."""
         if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
@@ -365,7 +382,8 @@ class EmulatedCluster:
             raise ValueError(f"run_id must be 1-8 ASCII letters/digits (it is part of interface names), got {run_id!r}")
         self.world_size = world_size
         self.rate_bits = rate_bits
-        self.burst = burst if burst is not None else auto_burst(rate_bits)
+        self.shape: LinkShape = (paced(rate_bits, rtt_s) if burst is None
+                                 else bursting(rate_bits, burst, rtt_s))
         self.latency = latency
         self.run_id = run_id
         self.terminate_stragglers = terminate_stragglers
@@ -406,6 +424,10 @@ class EmulatedCluster:
             "namespaces": [self.hub_ns, *self.worker_ns],
             "created": time.time(),
         }))
+        if self.shape.rtt_s > 0 and not has_qdisc("netem"):
+            raise NetemError(["tc", "qdisc", "add", "netem"], None,
+                             "this kernel has no netem qdisc, so propagation delay cannot be emulated "
+                             "(links are still shaped to their rate without it: use an rtt of 0)")
         self._install_handlers()
         try:
             self._build()
@@ -499,10 +521,9 @@ class EmulatedCluster:
             _run(["ip", "-n", hub, "link", "set", "dev", hif, "addrgenmode", "none"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/{SUBNET_BITS}", "dev", wif])
             _run(["ip", "-n", hub, "link", "set", "dev", hif, "master", self.bridge])
-            if self.rate_bits is not None:
-                for n, dev in ((ns, wif), (hub, hif)):  # uplink, downlink
-                    _run(["tc", "-n", n, "qdisc", "add", "dev", dev, "root", "tbf",
-                          "rate", f"{self.rate_bits}bit", "burst", self.burst, "latency", self.latency])
+            for n, dev in ((ns, wif), (hub, hif)):  # uplink, downlink
+                for cmd in _shape_commands(n, dev, self.shape, self.latency):
+                    _run(cmd)
             _run(["ip", "-n", hub, "link", "set", "dev", hif, "up"])
             _run(["ip", "-n", ns, "link", "set", "dev", wif, "up"])
             # cubic on the data link (see _data_route for why not the namespace's sysctl)

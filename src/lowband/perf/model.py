@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..algorithms.buckets import plan_buckets
-from ..collectives.compressed import resolve_collective
-from ..collectives.wire import MIB
+from ..comm.plans import resolve_collective
+from ..comm.wire import MIB
 from .network import Network
 from .profile import Profile
 from .simulate import Graph, TokenBucket
@@ -50,21 +50,18 @@ MODEL_OPTIONS = {
 #: adapts at run time and grows roughly like sqrt(2 t) when gradients agree; see docs/perfmodel.md)
 DEFAULT_TAU = 4.0
 #: local-update cost of CP-SGD in units of one optimizer step: "optimizer" the closed-form
-#: tentative step (measured on CPU, SGD momentum 0.9: 2.75x a step on cnn, 0.71x on resnet20,
-#: ``benchmarks/sgd_step.py``); "sgd" one axpy per parameter; "none" a copy. On CPU with plain
-#: SGD lowband fuses the global step and the tentative step into one native pass (0.32-0.37x
-#: one step for both, same benchmark): where the profile measured it (``fused_update_s``),
+#: tentative step (about two steps on CPU with SGD and momentum; docs/cpsgd.md); "sgd" one axpy
+#: per parameter; "none" a copy. On CPU with plain SGD lowband fuses the global step and the
+#: tentative step into one native pass: where the profile measured it (``fused_update_s``),
 #: the model charges that pass instead of the global step plus this cost.
 LOCAL_UPDATE_COST = {"optimizer": 2.0, "sgd": 1.0, "none": 0.3}
-#: steps :func:`estimate` simulates before it starts measuring (at least one whole cycle;
-#: before the twenty-eighth session max(2, cycle)): a depth-1 pipeline on a link slower than
-#: its compute fills its backlog in 3-4 steps (cpsgd without a correction, cnn at 50 Mbit/s;
-#: the old 2-step lead-in from a full bucket read it 14% fast), and the links' token bucket
+#: steps :func:`estimate` simulates before it starts measuring (at least one whole cycle): a
+#: depth-1 pipeline on a link slower than its compute fills its backlog in a few steps (cpsgd
+#: without a correction, cnn at 50 Mbit/s), and the links' token bucket
 #: starts empty in the simulation (steady state), so 8 steps reach the steady state of every
 #: modelled algorithm on the benchmark's links (tests/test_perfmodel.py checks it against 60
-#: steps). Not always behind a deep bucket on a link only just slower than the compute: with
-#: 1 MB at 200-500 Mbit/s, cpsgd on cnn drains it by a few KB per step and turns 5-7% slower
-#: after ~30 steps.
+#: steps). Not always behind a deep bucket on a link only just slower than the compute: there
+#: cpsgd drains the bucket by a few KB per step and turns slower after tens of steps.
 LEAD_IN_STEPS = 8
 
 
@@ -74,7 +71,7 @@ class Cluster:
         workers: N.
         network: per-worker link (bandwidth, latency, efficiency).
         compute_scale: multiplies every compute and codec time of the profile (CPU contention:
-            4 workers on 2 cores run each step ~2x slower; measure it with a compute-only run).
+            more workers than cores run each step slower; measure it with a compute-only run).
         codec_shares_compute: override the profile's ``codec_shares_compute``.
         comm_cpu_s_per_byte: CPU seconds the communication library spends per byte a worker
             sends (copies, reductions, TCP). When > 0, every collective also puts that much
@@ -102,11 +99,9 @@ class Cluster:
             (``fut.then(cb)``, ``cb`` calling ``all_reduce(...).get_future().wait()``): how
             PyTorch's communication hooks chain theirs (PowerSGD's P and Q all-reduces, behind
             the uncompressed tensors'). Entry k is the k-th link after the first (positions past
-            the end take the last entry). Measured by the validation's step probe at 4 workers on
-            2 cores: 6.3-6.8 ms for link 1 and 7.6-8.8 for link 2, against 0.8-1.0 ms for the
-            same all-reduce launched from the caller's thread right behind another (twenty-fourth
-            session). Empty (default): such a collective costs what any all-reduce of its bytes
-            costs.
+            the end take the last entry). The validation's step probe measures it (several times
+            the cost of the same all-reduce launched from the caller's thread; docs/perfmodel.md).
+            Empty (default): such a collective costs what any all-reduce of its bytes costs.
     """
 
     workers: int
@@ -228,7 +223,7 @@ class _Step:
         return self._at_least(f"{name}/in a callback", collective, deps, floor)
 
     def finiteness_exchange(self, s: int, o: dict, deps) -> Optional[int]:
-        """The engine's non-finite gradient check (:mod:`lowband.guard`) for an algorithm that
+        """The engine's non-finite gradient check (:mod:`lowband.engine.guard`) for an algorithm that
         neither defers it nor carries it in its own messages: one all-reduce of an int64 per
         rank at ``engine.step()``, before the optimizer. A pure delay (``Cluster.exchange_s``,
         or a ring all-reduce of its bytes), on no resource: it runs on a process group of its
@@ -241,24 +236,24 @@ class _Step:
         return self.g.add(f"s{s}/finiteness exchange", None, seconds, deps)
 
     def allreduce(self, name: str, nbytes: float, deps, meet: bool = True) -> int:
-        from ..collectives.wire import allreduce_bytes
+        from ..comm.wire import allreduce_bytes
         return self.comm(name, self.net.allreduce_s(nbytes, self.N), allreduce_bytes(nbytes, self.N), deps,
                          meet=meet)
 
     def allgather(self, name: str, nbytes: float, deps) -> int:
-        from ..collectives.wire import allgather_bytes
+        from ..comm.wire import allgather_bytes
         return self.comm(name, self.net.allgather_s(nbytes, self.N), allgather_bytes(nbytes, self.N), deps)
 
     def alltoall(self, name: str, nbytes: float, deps) -> int:
-        from ..collectives.wire import alltoall_bytes
+        from ..comm.wire import alltoall_bytes
         return self.comm(name, self.net.alltoall_s(nbytes, self.N), alltoall_bytes(nbytes, self.N), deps)
 
     def broadcast(self, name: str, nbytes: float, deps) -> int:
-        from ..collectives.wire import broadcast_bytes
+        from ..comm.wire import broadcast_bytes
         return self.comm(name, self.net.broadcast_s(nbytes, self.N), broadcast_bytes(nbytes, self.N), deps)
 
     def pushpull(self, name: str, push: float, pull: float, servers: int, deps) -> int:
-        from ..collectives.wire import ps_link_bytes
+        from ..comm.wire import ps_link_bytes
         worker, server = ps_link_bytes(push, pull, self.N, servers)
         return self.comm(name, self.net.ps_pushpull_s(push, pull, self.N, servers), worker, deps,
                          shaped_bytes=max(worker, server))
@@ -318,7 +313,7 @@ class _Step:
 
 def inline_exact(collective: str, world: int) -> bool:
     """Whether the collective carries a bucket's exact fp32 values in its own message
-    (:attr:`lowband.collectives.compressed.Plan.inline_exact`)."""
+    (:attr:`lowband.comm.plans.Plan.inline_exact`)."""
     return collective == "two-stage" or (collective == "allgather" and world <= 2)
 
 
@@ -741,11 +736,55 @@ def _periodic_average(st: _Step, o: dict, steps: int, period_key: str, outer_ste
     return ends
 
 
+def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
+    """Local steps; at the end of every round (``sync_every`` steps) the flat outer gradient
+    of all parameters goes to the background thread as one message: compressed (the 1-D
+    parameters, and the spread correction's 1/k share, in fp32 in the same message) or, on a
+    burst correction round, one fp32 all-reduce. Pipelined (the default), the round end waits
+    only for the previous round's message, then takes the outer step and the rebase; with
+    ``pipelined=False`` (or a blocking burst correction) it waits for its own. The outer step
+    and the rebase are charged one optimizer step each. Warm-up steps are not modelled."""
+    H = max(1, int(o.get("sync_every", 16)))
+    collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
+    k, mode = o.get("correction_every", 8), o.get("correction", "spread")
+    everything = list(range(len(st.p.params)))
+    nb = st.nbytes(everything)
+    exact = _exact_bytes(st, everything, o.get("compress_vectors", False))
+    glue = st.pipeline_glue("cp-diloco", [everything], codec_name, o.get("compress_vectors", False))
+    ends, prev, bg, in_flight, r = [], None, None, None, 0
+    for s in range(steps):
+        _, _, b = st.forward_backward(s, [prev])
+        prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
+        if (s + 1) % H == 0:
+            tag = f"s{s}/round{r}"
+            burst = k is not None and (k == 1 or (mode == "burst" and (r + 1) % k == 0))
+            if burst:
+                bg = _fp32_chain(st, tag, nb, collective, prev, bg, o.get("ps_servers"))
+            else:
+                share = nb / k if k is not None and mode == "spread" else 0.0
+                bg = _compressed_chain(st, tag, nb, len(everything), collective, codec_name, prev, bg,
+                                       o.get("ps_servers"), exact_bytes=exact, share_bytes=share, glue_s=glue)
+            waits_own = not o.get("pipelined", True) or (burst and o.get("blocking_correction", False))
+            wait = bg if waits_own else in_flight
+            prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s,
+                              [prev] + ([wait] if wait is not None else []))
+            in_flight = None if waits_own else bg
+            r += 1
+        ends.append(prev)
+    return ends
+
+
+def _cp_diloco_cycle(o: dict) -> float:
+    """cp-diloco's pattern: one round, or k rounds with the burst correction."""
+    H, k = float(max(1, int(o["sync_every"]))), o["correction_every"]
+    return H * k if o["correction"] == "burst" and k is not None else H
+
+
 def fragment_groups(prof: Profile, count: int) -> list[list[int]]:
     """Parameter indices of Streaming DiLoCo's ``count`` fragments, by the rule of
-    :func:`lowband.algorithms.diloco.split_fragments` (contiguous runs in registration order of
+    :func:`lowband.algorithms.peers.diloco.split_fragments` (contiguous runs in registration order of
     about equal elements: one large layer makes its fragment large)."""
-    from ..algorithms.diloco import split_fragments
+    from ..algorithms.peers.diloco import split_fragments
     return split_fragments(prof.sized_params(), count)
 
 
@@ -795,6 +834,9 @@ class AlgorithmModel:
     build: Builder
     cycle: Callable[[dict], float]      # steps per period of the step pattern
     how: str                            # what is modelled, and how approximately
+    #: whole cycles of the default lead-in (a pipeline one cycle deep fills its backlog over
+    #: several of its cycles when its message only just fits behind one)
+    lead_cycles: int = 1
 
 
 def _one(_o: dict) -> float:
@@ -825,6 +867,10 @@ MODELS: dict[str, AlgorithmModel] = {
                                  "steady state after warm-up; codec chain on one background thread; fp32 1-D buckets"),
     "cpsgd": AlgorithmModel(_cpsgd, _cpsgd_cycle, "depth-1 pipeline, burst or spread "
                             "correction; local update cost as a multiple of the optimizer step"),
+    "cp-diloco": AlgorithmModel(_cp_diloco, _cp_diloco_cycle,
+                                "local steps; one message per round (compressed, spread share and 1-D "
+                                "parameters fp32 inside; burst rounds fp32) on the background thread, waited "
+                                "for one round later (pipelined) or at once", lead_cycles=6),
     "lazy": AlgorithmModel(_lazy, lambda o: float(o.get("tau", DEFAULT_TAU)),
                            "regular buckets overlapped; lazy fused all-reduce every tau steps (tau given)"),
     "localsgd": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "period", False, "localsgd"),
@@ -880,13 +926,13 @@ def _period(algorithm: str, knobs: dict[str, Any]) -> int:
 def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster,
              cycles: int = 2, max_steps: int = 400, lead_in: Optional[int] = None) -> StepEstimate:
     """Steady-state mean step time of ``algorithm`` on ``cluster``: simulate a lead-in of
-    ``lead_in`` steps (default: :data:`LEAD_IN_STEPS`, at least one whole cycle), then
+    ``lead_in`` steps (default: :data:`LEAD_IN_STEPS`, at least ``lead_cycles`` whole cycles), then
     ``cycles`` whole cycles (at least 4 steps), and average the steps after the lead-in. Knobs
     not in ``options`` take the registry algorithm's defaults."""
     o = _knobs(algorithm, options)
     cycle = _period(algorithm, o)
     m = MODELS[algorithm]
-    lead = max(LEAD_IN_STEPS, cycle) if lead_in is None else max(1, int(lead_in))
+    lead = max(LEAD_IN_STEPS, cycle * m.lead_cycles) if lead_in is None else max(1, int(lead_in))
     measured = max(cycle * cycles, 4)
     if lead + measured > max_steps:          # a long period: fewer, but whole, cycles
         measured = max(cycle, (max_steps - lead) // cycle * cycle)

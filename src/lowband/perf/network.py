@@ -1,7 +1,7 @@
 """Time of one collective on a homogeneous network: every worker has its own full-duplex link
 of ``bandwidth`` bits/s, and every message pays ``latency`` seconds (the alpha-beta model).
 
-Bytes come from :mod:`lowband.collectives.wire` (one place for the formulas); the message
+Bytes come from :mod:`lowband.comm.wire` (one place for the formulas); the message
 counts are those of the same bandwidth-optimal schedules:
 
 * ring all-reduce: ``2 (N-1)`` steps (reduce-scatter + all-gather), each one message;
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..collectives import wire
+from ..comm import wire
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,9 @@ class Network:
         burst_bytes: depth of a token bucket in front of the link (tc tbf's ``burst``): after
             an idle period that many bytes pass at line speed, and the bucket refills at
             ``bandwidth_bps``. 0 (default): a plain rate limit, as a NIC's line rate is. The
-            emulated links of ``lowband bench`` have one (``lowband.netem.auto_burst``: 96 KB at
-            <= 384 Mbit/s, 2 ms of the rate above), which lets a small compressed message through
-            in a fraction of its nominal time. The closed forms below ignore it; the step model
+            paced links of ``lowband bench`` have a bucket of a fraction of a millisecond
+            (``lowband.netem.paced``); a bursting link (``--burst 96kb``) lets a small compressed
+            message through in a fraction of its nominal time. The closed forms below ignore it; the step model
             (:mod:`lowband.perf.model`) applies it per collective, with the bucket's state
             carried from one collective to the next.
     """

@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-# the C heap's mode a profile measures under: the workers' (:mod:`lowband.memory`)
-from ..memory import DEFAULT_MODE as MALLOC_DEFAULT
+# the C heap's mode a profile measures under: the workers' (:mod:`lowband.runtime.memory`)
+from ..runtime.memory import DEFAULT_MODE as MALLOC_DEFAULT
 
 FORMAT = "lowband-profile/1"
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
@@ -266,11 +266,9 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     worker, with the optimizer lowband's runs use (SGD with momentum and weight decay), and the
     lazy update's default lazy set (from the order in which modules first run in forward)."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
     from ..algorithms.lazy import NORM_LAYERS, ForwardOrder, LazyPlan, input_side_layers
-    from .. import tasks
-    from ..models import make_model
+    from ..app import tasks
+    from ..app.models import make_model
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -328,8 +326,8 @@ def example_batch(model_name: str, model, batch_size: int):
     """A random batch of the shape ``model_name`` trains on: Fashion-MNIST images and classes,
     or for a language model byte ids over its whole context and the next bytes."""
     import torch
-    from .. import tasks
-    from ..models import BYTE_VOCAB
+    from ..app import tasks
+    from ..app.models import BYTE_VOCAB
     if tasks.task_of(model_name) == "lm":
         ids = torch.randint(0, BYTE_VOCAB, (batch_size, model.context + 1))
         return ids[:, :-1], ids[:, 1:]
@@ -341,7 +339,7 @@ def _fused_update_s(opt, params: list, reps: int) -> Optional[float]:
     ``params`` with optimizer ``opt``; None where lowband would not use it (not plain SGD,
     no native library...)."""
     import torch
-    from ..algorithms.local_update import FusedSGDStep
+    from ..optim.tentative import FusedSGDStep
     if FusedSGDStep.unavailable(opt, params) is not None:
         return None
     fused = FusedSGDStep(opt, params)
@@ -381,11 +379,11 @@ def measure_engine_overhead(model_name: str, batch_size: int, algorithms: Sequen
     in ``~ProcessGroupGloo`` (seen in the test suite), and a child process needs no tear-down.
     Returns (engine overhead per peer, pipeline CPU per step of each of ``pipelines``). A
     child that fails or times out gives ``({}, {})`` (no measurement), with its error on
-    stderr. The child's C heap runs in mode ``malloc`` (:mod:`lowband.memory`), as the workers'."""
+    stderr. The child's C heap runs in mode ``malloc`` (:mod:`lowband.runtime.memory`), as the workers'."""
     import subprocess
     import sys
     code = ("import json, os, sys\n"
-            "from lowband import memory\n"
+            "from lowband.runtime import memory\n"
             f"memory.configure({malloc!r})\n"
             "from lowband.perf.profile import engine_overhead_here\n"
             "def report(r):\n"
@@ -428,8 +426,8 @@ def engine_overhead_here(model_name: str, batch_size: int, algorithms: Sequence[
     import torch
     import torch.distributed as dist
     import lowband
-    from .. import tasks
-    from ..models import make_model
+    from ..app import tasks
+    from ..app.models import make_model
 
     def build(name: str, **options):
         torch.manual_seed(0)
@@ -556,15 +554,14 @@ def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
     the flat run the throughput.
 
     Codecs with native kernels (2-bit, 1-bit) are timed through the bucket-level codec the
-    collectives run (:class:`lowband.compressors.bucket.BucketCodec`, all-gather layout: one
+    collectives run (:class:`lowband.codecs.bucket.BucketCodec`, all-gather layout: one
     call per bucket). The others are timed per tensor (``compress`` / ``decompress``): the
     bucket codec's torch fallback makes the same calls per segment, and the model also uses
     ``fp16`` and ``powersgd`` to approximate DDP's own hooks, which cast and multiply per tensor
     without lowband's layout."""
     import torch
-    from ..compressors import build_compressor
-    from ..compressors.bucket import native_kind
-    from ..compressors.error_feedback import ErrorFeedback
+    from ..codecs import build_compressor
+    from ..codecs.error_feedback import ErrorFeedback
 
     options = PROFILE_CODEC_OPTIONS.get(name, {})
     total = int(sum(sizes))
@@ -572,7 +569,7 @@ def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
     flat = torch.randn(total, generator=gen) * 1e-3
     codec = build_compressor(name, options, error_feedback=True)
     inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
-    bucket_level = native_kind(inner) is not None
+    bucket_level = inner.kernel_kind is not None
     if bucket_level:
         enc_seg, dec_seg = _time_bucket_codec(inner, flat, list(sizes), reps)
         enc_flat, dec_flat = _time_bucket_codec(inner, flat, [total], reps)
@@ -598,7 +595,7 @@ def _time_bucket_codec(codec, flat, sizes: list[int], reps: int) -> tuple[float,
     """(encode, decode) seconds of one all-gather-layout bucket of segments ``sizes`` with
     ``codec`` (the residual is the bucket's own, as in the collectives)."""
     import torch
-    from ..collectives.compressed import make_plan
+    from ..comm.plans import make_plan
     plan = make_plan("allgather", 1, 0, [(f"s{i}", int(n)) for i, n in enumerate(sizes)], codec)
     send = torch.zeros(plan.layout.section, dtype=torch.uint8)
     e = torch.zeros(plan.numel, dtype=torch.float32)
@@ -611,7 +608,7 @@ def _time_bucket_codec(codec, flat, sizes: list[int], reps: int) -> tuple[float,
 def _time_codec_per_tensor(name: str, options: dict, flat, sizes: list[int], reps: int) -> tuple[float, float]:
     """(encode, decode) seconds of ``compress`` / ``decompress`` of each of ``sizes``' tensors."""
     import torch
-    from ..compressors import build_compressor
+    from ..codecs import build_compressor
     tensors = list(torch.split(flat, sizes))
     codec = build_compressor(name, options, error_feedback=True)
 
@@ -627,11 +624,11 @@ def _time_codec_per_tensor(name: str, options: dict, flat, sizes: list[int], rep
 def measure(model_name: str, batch_size: int = 64, codecs: Optional[Sequence[str]] = None, reps: int = 20,
             threads: int = 1, progress=None, malloc: str = MALLOC_DEFAULT) -> Profile:
     """A profile of ``model_name`` on this machine (one worker, ``threads`` intra-op threads),
-    with this process's C heap in mode ``malloc`` (:mod:`lowband.memory`; from here on), as
+    with this process's C heap in mode ``malloc`` (:mod:`lowband.runtime.memory`; from here on), as
     the workers whose steps it models run."""
     import torch
-    from .. import memory
-    from ..compressors import COMPRESSORS
+    from ..runtime import memory
+    from ..codecs import COMPRESSORS
 
     memory.configure(malloc)
 

@@ -93,8 +93,8 @@ def v100() -> Profile:
         machine="NVIDIA V100 16GB, FP32 (hand-written)",
         codecs={"2bit": CodecInfo(
             encode_gbps=1.81, decode_gbps=1.58, payload_ratio=1 / 16,
-            note="MXNet quantizes and dequantizes on the host CPU (spec B.1.3, pinned CPU buffers): lowband's exact "
-                 "MXNet-mode 2-bit codec measured on one CPU core, 25M elements (docs/results.md, 'Codec throughput')")},
+            note="MXNet quantizes and dequantizes on the host CPU (pinned CPU buffers): lowband's exact "
+                 "MXNet-mode 2-bit codec measured on one CPU core, 25M elements (docs/codecs.md, 'Throughput')")},
         codec_shares_compute=False,
         notes=["optimizer 1.0 ms: SGD with momentum reads and writes ~20 bytes per parameter (0.5 GB) at V100's "
                "~900 GB/s, rounded up",

@@ -164,11 +164,3 @@ class Graph:
         if done != n:
             raise RuntimeError(f"simulation finished {done} of {n} tasks (a dependency cycle?)")
         return max((t.end for t in self.tasks), default=0.0)
-
-    def busy_time(self, resource: str, since: float = 0.0, until: float = math.inf) -> float:
-        """Seconds ``resource`` was busy within [since, until]."""
-        total = 0.0
-        for t in self.tasks:
-            if t.resource == resource:
-                total += max(0.0, min(t.end, until) - max(t.start, since))
-        return total

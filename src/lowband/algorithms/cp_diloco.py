@@ -1,0 +1,484 @@
+"""CP-DiLoCo: DiLoCo's inner/outer structure with CP-SGD's compression, pipeline and correction
+at the outer step (issue 52).
+
+Per rank: the model's weights theta (local), and four flat fp32 vectors over all trainable
+parameters in registration order: the anchor A and the outer momentum m (identical on every
+rank: both only change by the same outer steps on the same all-gathered values), the round's
+starting point ``base`` and, inside the reducer, the error-feedback residual e (this rank's own).
+
+Schedule (t: engine steps taken, 0-based; H = ``sync_every``): steps ``t < warmup_steps`` are
+synchronous fp32 gradient averaging; then every step runs the user's optimizer on the local
+gradient (no communication), and the step with ``(t - warmup_steps + 1) % H == 0`` also ends
+round ``r = (t - warmup_steps) // H``. At the end of round r, after its inner step::
+
+    d      = base - theta                 (this round's outer gradient; base = A when not pipelined)
+    D_r    = mean over ranks of Q(d + e)  (2-bit with error feedback: e <- d + e - Q(d + e)),
+             or of (d + e) in fp32 with e <- 0 on a correction (all of it, or share r % k)
+
+    pipelined=False (DiLoCo):   A, m <- outer(A, m, D_r);  theta <- A;  base <- A
+    pipelined=True:             D_r is launched on the reducer's background queue and waited
+                                for only at the end of round r + 1, which then does
+                                    A, m <- outer(A, m, D_{r-1})     (the previous round's)
+                                    theta <- A - d;  base <- theta
+                                (round 0 has nothing to apply: theta and base stay)
+
+``outer`` is SGD with (Nesterov) momentum on the outer gradient, torch's formula:
+``m <- mu m + D`` (``m = D`` at the first step), ``A <- A - lr (D + mu m)`` (Nesterov) or
+``A <- A - lr m``.
+
+The pipelined local update is CP-SGD's (``w = W_{t-1} - alpha g_t``) one round late: when the
+average of round r arrives, each rank rebases onto the new anchor and keeps only its own
+progress of round r + 1 (``d``, at full weight), which stands in for the average of round
+r + 1 until that arrives a round later and replaces it. No progress is counted twice: a
+rank's round-r progress leaves its model when the average that contains it enters A. The
+average is applied at the end of the next round, not "when it arrives": the trajectory is then
+a function of the data alone (bit-reproducible, and a checkpoint needs only the average, not
+when it came). Nothing waits unless the round's message has not arrived when the next round
+ends: the link must carry one round's message per H compute steps.
+
+Corrections (``correction_every`` = k; None: never):
+
+* ``"spread"``: in every round, share ``r % k`` of k contiguous near-equal shares of the flat
+  outer gradient travels exactly in fp32 in the same message (with that share's residual
+  flushed into it and zeroed), the rest in 2 bits: the same bytes every round, so no round's
+  message is larger than the others and the pipeline never stalls behind a burst.
+* ``"burst"``: every k-th round (``(r + 1) % k == 0``) the whole outer gradient plus the whole
+  residual travels in fp32, and every residual becomes 0: after it is applied the anchor is
+  exactly what fp32 averaging of the same local progress would give.
+* ``blocking_correction`` (burst only): a correction round also applies the round in flight,
+  waits for its own exact average at once and sets every replica to the anchor, so after it
+  every replica holds bit-identical weights and the pipeline restarts empty (a round-end
+  barrier every k rounds: its fp32 bytes are exposed).
+
+The anchor is bit-identical on every rank at every step whatever the knobs (allgather decodes
+every rank's payload in rank order on every rank; the fp32 average is one all-reduce), which
+is what ``replicated_state`` reports. The replicas differ by at most their own un-averaged
+round of progress: each arriving average rebases every replica onto the common anchor, so
+per-rank residuals and compression error never accumulate between replicas; what the
+correction bounds is the difference between the anchor and the uncompressed trajectory.
+
+``drain()`` (``engine.synchronize()``, the end of training) settles everything pending: it
+applies the round in flight, then subtracts the ranks' exact fp32 mean of (progress since
+``base`` + residual) from the anchor (a plain mean, no outer step: the model average localsgd's
+drain gives), zeroes the residuals and sets every replica to the result. Evaluation
+(:meth:`global_parameters`) is that same model computed on copies, training state untouched;
+like localsgd's it costs one fp32 all-reduce of the model (counted apart from training).
+Checkpoints work at any step with a round in flight: its average is waited for (waiting
+changes no value) and saved with A, m, ``base`` and the residuals, so a resumed run continues
+bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..codecs import build_compressor
+from ..comm.reducer import make_reducer
+from ..runtime.device import to_device
+from .base import Algorithm, BoundAlgorithm, EngineContext
+from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments
+from .warmup import Warmup, share_bounds
+
+CORRECTIONS = ("spread", "burst")
+#: the reducer's bucket of the outer gradient, and of a warm-up step's gradients
+DELTA, WARMUP = "cp-diloco-delta", "cp-diloco-warmup"
+
+
+@dataclass
+class CPDiLoCo(Algorithm):
+    """Knobs (module docstring for the algorithm; the lead tunes the defaults by measurement):
+
+        sync_every: H, inner steps per round. 16, the ``diloco`` peer's default on the bench's
+            cnn and gpt runs: one 2-bit message per 16 steps.
+        outer_lr: the outer optimizer's learning rate. 0.7, DiLoCo's.
+        outer_momentum: its momentum (0: plain SGD on the outer gradient). 0.5, not DiLoCo's
+            0.9: the pipelined outer step applies every average one round late, and a late
+            gradient under heavy momentum overshoots (the delayed-momentum instability); with
+            ``pipelined=False`` DiLoCo's 0.9 is the usual choice.
+        nesterov: Nesterov momentum, as DiLoCo's outer optimizer (False: heavy ball).
+        compressor, compressor_options, collective: the outer gradient's codec and collective,
+            as for ``compressed``: lowband's 2-bit codec in its scale-aware mode (fire at the
+            RMS of each 256-element block, decode to the fired mean) on the ``auto``
+            collective (allgather up to 4 ranks: one quantization, the decoded average
+            identical on every rank). ``none`` sends fp32 through the same path.
+        error_feedback: keep a per-rank residual of what compression dropped and add it to the
+            next round's outer gradient. Without it the biased 2-bit code loses mass.
+        pipelined: round r's message travels during round r + 1 and is applied at its end
+            (module docstring); False: every round waits for its own average (DiLoCo).
+        correction: ``"spread"`` (share r % k exact in every round, constant bytes) or
+            ``"burst"`` (everything exact every k-th round). Spread by default: on a slow
+            link a burst round's fp32 message (16x a 2-bit one) may not fit behind one round of
+            compute and would stall the next round.
+        correction_every: k; None never corrects; 1 sends every round in fp32 (with
+            ``pipelined=False`` and ``correction="burst"`` that is DiLoCo). 8: a 1/8 fp32 share
+            plus 2-bit codes is ~6 bits per element per round, about a fifth of fp32 DiLoCo's.
+        blocking_correction: with ``"burst"``, a correction round waits for its own exact
+            average and leaves every replica bit-identical (module docstring). Off: nothing
+            blocks unless the link falls behind.
+        compress_vectors: also compress 1-D parameters (biases, norms' scales). Off, as in
+            ``compressed``/``cpsgd``: they are <1% of the elements and travel in fp32 in the same
+            message.
+        warmup_steps: synchronous fp32 gradient-averaging steps before the first round. 0, as
+            DiLoCo: an fp32 step costs a whole-model all-reduce, which on a 20 Mbit/s link is
+            worth many rounds of 2-bit outer gradients.
+    """
+
+    sync_every: int = 16
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
+    nesterov: bool = True
+    compressor: str = "2bit"
+    compressor_options: dict[str, Any] = field(default_factory=dict)
+    collective: str = "auto"
+    error_feedback: bool = True
+    pipelined: bool = True
+    correction: str = "spread"
+    correction_every: Optional[int] = 8
+    blocking_correction: bool = False
+    compress_vectors: bool = False
+    warmup_steps: int = 0
+
+    name: ClassVar[str] = "cp-diloco"
+
+    def __post_init__(self) -> None:
+        check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective, 1.0,
+                                self.error_feedback)
+        for knob, low in (("sync_every", 1), ("warmup_steps", 0)):
+            v = getattr(self, knob)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{self.name}: {knob} must be an integer >= {low}, got {v!r}")
+        k = self.correction_every
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"{self.name}: correction_every must be an integer >= 1 or None, got {k!r}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"{self.name}: correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        for knob in ("nesterov", "error_feedback", "pipelined", "blocking_correction", "compress_vectors"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
+        if isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
+            raise ValueError(f"{self.name}: outer_lr must be a number > 0, got {self.outer_lr!r}")
+        mu = self.outer_momentum
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 <= mu < 1.0:
+            raise ValueError(f"{self.name}: outer_momentum must be in [0, 1), got {mu!r}")
+        if self.blocking_correction and (self.correction != "burst" or k is None):
+            raise ValueError(f"{self.name}: blocking_correction needs correction='burst' and a correction_every, "
+                             f"got correction={self.correction!r}, correction_every={k}")
+
+    def bind(self, ctx: EngineContext) -> "BoundCPDiLoCo":
+        return BoundCPDiLoCo(self, ctx)
+
+
+class _Flight:
+    """One round's outer-gradient message: the reducer's handle (or, restored from a
+    checkpoint, its result). ``result()`` waits once and returns the flat fp32 average."""
+
+    def __init__(self, handle, round_index: int, exact: bool, value: Optional[torch.Tensor] = None):
+        self.handle, self.round, self.exact = handle, round_index, exact
+        self._value = value
+
+    def result(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self.handle.wait()
+            self.handle = None
+        return self._value
+
+
+class BoundCPDiLoCo(BoundAlgorithm):
+    """CP-DiLoCo bound to one engine: the reducer (residuals), anchor, outer momentum, the
+    round's starting point, the round in flight and the counters."""
+
+    cfg: CPDiLoCo
+    uses_gradient_hooks: ClassVar[bool] = False
+
+    def __init__(self, cfg: CPDiLoCo, ctx: EngineContext) -> None:
+        super().__init__(cfg, ctx)
+        codec = build_compressor(cfg.compressor, cfg.compressor_options, cfg.error_feedback)
+        self.reducer = make_reducer(cfg.collective, ctx.comm, codec)
+        everything = range(len(ctx.params))
+        self.segments = bucket_segments(ctx.names, ctx.params, everything)
+        self.exact_segments = exact_vector_segments(ctx.params, everything, cfg.compress_vectors)
+        self.numel = sum(p.numel() for p in ctx.params)
+        self.device = ctx.params[0].device if ctx.params else torch.device("cpu")
+        self.warmup = Warmup(cfg.warmup_steps)
+        self.t = 0                                        # steps completed (agreed on every rank)
+        self.anchor: Optional[torch.Tensor] = None        # A (None until the first round starts)
+        self.momentum: Optional[torch.Tensor] = None      # m (None until the first outer step)
+        self.base: Optional[torch.Tensor] = None          # where this round's progress started
+        self.in_flight: Optional[_Flight] = None
+        #: every replica holds the anchor and nothing is in flight (drain has nothing to do
+        #: unless a residual is left: ``residual_clean``)
+        self.in_sync = True
+        self.residual_clean = True
+        self.outer_steps = 0
+        self.corrections = 0                              # rounds that sent anything exact
+        self.rounds_sent = 0
+        self.residual_norm: Optional[float] = None        # after the last applied round's encode
+        self._metrics: dict[str, Any] = {}
+
+    # -- schedule (functions of the agreed step counter) ---------------------------------
+    def round_of(self, t: int) -> Optional[int]:
+        return None if self.warmup.active(t) else (t - self.cfg.warmup_steps) // self.cfg.sync_every
+
+    def ends_round(self, t: int) -> bool:
+        return not self.warmup.active(t) and (t - self.cfg.warmup_steps + 1) % self.cfg.sync_every == 0
+
+    def message_of(self, r: int) -> tuple[bool, Optional[tuple[int, int]]]:
+        """Round r's message: (all exact, the exact share of a compressed one or None)."""
+        k = self.cfg.correction_every
+        if k is None:
+            return False, None
+        if k == 1 or (self.cfg.correction == "burst" and (r + 1) % k == 0):
+            return True, None
+        if self.cfg.correction == "spread":
+            lo, hi = share_bounds(self.numel, k, r % k)
+            return False, ((lo, hi) if hi > lo else None)
+        return False, None
+
+    def gradients_applied_late(self) -> bool:
+        """As localsgd: a step that only moves this rank's replica lets the engine decide its
+        finiteness at the next ``step()``; warm-up steps and round ends decide at once, before
+        anything of them is sent."""
+        return not self.warmup.active(self.t) and not self.ends_round(self.t)
+
+    # -- flat views ----------------------------------------------------------------------
+    def _flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.ctx.params])
+
+    @torch.no_grad()
+    def _write_params(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.ctx.params:
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for p in self.ctx.params:
+            n = p.numel()
+            out.append(flat[offset:offset + n].view_as(p).to(p.dtype))
+            offset += n
+        return out
+
+    def _by_name(self, flat: Optional[torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
+        return None if flat is None else {n: v.detach().clone() for n, v in zip(self.ctx.names, self._views(flat))}
+
+    def _from_names(self, saved: Optional[dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+        if saved is None:
+            return None
+        saved = to_device(saved, self.device)
+        missing = [n for n in self.ctx.names if n not in saved]
+        if missing:
+            raise ValueError(f"{self.name}: checkpoint has no state for parameter {missing[0]!r}")
+        return torch.cat([saved[n].reshape(-1).to(torch.float32) for n in self.ctx.names])
+
+    # -- the outer optimizer -------------------------------------------------------------
+    def _outer(self, anchor: torch.Tensor, momentum: Optional[torch.Tensor], D: torch.Tensor
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``A, m <- outer(A, m, D)`` in place where given (torch.optim.SGD's formula)."""
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        if mu == 0:
+            anchor.add_(D, alpha=-lr)
+            return anchor, momentum
+        if momentum is None:
+            momentum = D.clone()
+        else:
+            momentum.mul_(mu).add_(D)
+        anchor.add_(D.add(momentum, alpha=mu) if self.cfg.nesterov else momentum, alpha=-lr)
+        return anchor, momentum
+
+    def _apply(self, flight: _Flight) -> None:
+        """The outer step of ``flight``'s average on the anchor (waits for it)."""
+        D = flight.result()
+        self.anchor, self.momentum = self._outer(self.anchor, self.momentum, D)
+        self.outer_steps += 1
+        self._read_residual()
+
+    def _read_residual(self) -> None:
+        """The norm of this rank's residual (nothing of the reducer is queued at the callers)."""
+        e = self.reducer.worker_residual(DELTA)
+        self.residual_norm = None if e is None else float(e.norm())
+
+    # -- iteration -----------------------------------------------------------------------
+    def step(self) -> None:
+        t = self.t
+        self._metrics = {"round": self.round_of(t), "sync_every": self.cfg.sync_every, "warmup": self.warmup.active(t),
+                         "round_end": False, "message": None}
+        if self.warmup.active(t):
+            self._average_gradients()
+            self.ctx.optimizer.step()
+        else:
+            if self.anchor is None:                   # the first round starts from these weights
+                self.anchor = self._flat_params()
+                self.base = self.anchor.clone()
+            self.ctx.optimizer.step()
+            self.in_sync = False
+            if self.ends_round(t):
+                self._end_round(self.round_of(t))
+        self.t += 1
+        self._metrics["residual_norm"] = self.residual_norm
+
+    def _average_gradients(self) -> None:
+        """A warm-up step: the gradients averaged in fp32 (with had-a-gradient flags: a
+        parameter no rank used keeps ``grad = None``) through the reducer's queue."""
+        params = self.ctx.params
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32)
+                          for p in params])
+        handle = self.reducer.start_full_precision(flat, WARMUP, self.segments, present=present, inline=True)
+        avg = handle.wait()
+        anyone = handle.present.tolist()
+        offset = 0
+        for p, used in zip(params, anyone):
+            n = p.numel()
+            if used:
+                value = avg[offset:offset + n].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+            else:
+                p.grad = None
+            offset += n
+
+    def _send(self, d: torch.Tensor, r: int) -> _Flight:
+        exact, share = self.message_of(r)
+        if exact:
+            handle = self.reducer.start_full_precision(d, DELTA, self.segments, flush_residuals=True)
+            self.corrections += 1
+        else:
+            handle = self.reducer.start(d, DELTA, self.segments, exact=share, flush_exact=True,
+                                        exact_segments=self.exact_segments, copy=False)
+            self.corrections += share is not None
+        self.rounds_sent += 1
+        self._metrics["message"] = "exact" if exact else ("spread" if share is not None else "compressed")
+        self.residual_clean = exact or not self.cfg.error_feedback
+        return _Flight(handle, r, exact)
+
+    @torch.no_grad()
+    def _end_round(self, r: int) -> None:
+        self._metrics["round_end"] = True
+        theta = self._flat_params()
+        d = self.base - theta
+        exact, _ = self.message_of(r)
+        if not self.cfg.pipelined or (exact and self.cfg.blocking_correction):
+            if self.in_flight is not None:            # (blocking correction) the previous round first
+                self._apply(self.in_flight)
+                self.in_flight = None
+            self._apply(self._send(d, r))
+            self._write_params(self.anchor)
+            self.base = self.anchor.clone()
+            self.in_sync = True
+            return
+        previous = self.in_flight
+        if previous is not None:
+            # waited for before the new message is queued, so that the residual it left can be
+            # read (the new job would change it); it normally arrived long ago
+            self._apply(previous)
+        self.in_flight = self._send(d, r)
+        if previous is not None:
+            local = self.anchor - d
+            self._write_params(local)
+            self.base = local if all(p.dtype == torch.float32 for p in self.ctx.params) else self._flat_params()
+        else:
+            self.base = theta
+
+    # -- global model --------------------------------------------------------------------
+    def _settled(self, anchor: torch.Tensor, momentum: Optional[torch.Tensor], zero: bool
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """What ``drain()`` makes of ``anchor`` and ``momentum`` (in place): the round in flight
+        applied by its outer step, then the ranks' mean of (progress since ``base`` + residual)
+        subtracted, averaged by one fp32 all-reduce on the engine's communicator (the caller's
+        counter: :meth:`Engine.global_model` counts it apart). ``zero``: the residuals are
+        flushed (drain) or left as they are (an evaluation)."""
+        if self.in_flight is not None:
+            anchor, momentum = self._outer(anchor, momentum, self.in_flight.result())
+        pending = self.base - self._flat_params()
+        self.reducer.add_residuals(DELTA, pending, zero=zero)   # nothing is queued: waited above
+        self.ctx.comm.all_reduce(pending, op=dist.ReduceOp.AVG)
+        anchor.sub_(pending)
+        return anchor, momentum
+
+    def _nothing_pending(self) -> bool:
+        return self.anchor is None or (self.in_sync and self.residual_clean)
+
+    @torch.no_grad()
+    def global_parameters(self) -> Optional[list[torch.Tensor]]:
+        """What ``drain()`` would install, computed on copies (training state untouched: the
+        round in flight stays in flight, the residuals stay): None while nothing is pending."""
+        if self._nothing_pending():
+            return None
+        anchor = self.anchor.clone()
+        momentum = None if self.momentum is None else self.momentum.clone()
+        return self._views(self._settled(anchor, momentum, zero=False)[0])
+
+    def replicated_state(self) -> tuple[Optional[list[torch.Tensor]], bool]:
+        """The anchor (the parameters while every replica holds it); the optimizer's state only
+        while every step so far was a warm-up step."""
+        values = list(self.ctx.params) if self.anchor is None or self.in_sync else self._views(self.anchor)
+        return values, self.anchor is None
+
+    @torch.no_grad()
+    def drain(self) -> None:
+        """Apply the round in flight, then average each rank's progress since ``base`` plus its
+        residual exactly into the anchor and set every replica to it (module docstring)."""
+        if self._nothing_pending():
+            return
+        if self.in_flight is not None:
+            self.outer_steps += 1
+        self.anchor, self.momentum = self._settled(self.anchor, self.momentum, zero=True)
+        self.in_flight = None
+        self._write_params(self.anchor)
+        self.base = self.anchor.clone()
+        self.in_sync = self.residual_clean = True
+        self.residual_norm = 0.0 if self.cfg.error_feedback else None
+
+    # -- reporting -----------------------------------------------------------------------
+    def step_metrics(self) -> dict[str, Any]:
+        """``round`` (None in the warm-up), ``sync_every`` (H), ``warmup``, ``round_end``,
+        ``message`` (at a round end: ``compressed``, ``spread`` (with an exact share) or
+        ``exact``) and ``residual_norm`` (this rank's residual after the last applied round;
+        None before). The training loop logs each step's counted bytes beside them (a round's
+        message is counted when the background queue sends it)."""
+        return dict(self._metrics)
+
+    def summary(self) -> dict[str, Any]:
+        return {"rounds_sent": self.rounds_sent, "outer_steps": self.outer_steps, "corrections": self.corrections,
+                "sync_every": self.cfg.sync_every, "pipelined": self.cfg.pipelined,
+                "collective": self.reducer.name, "residual_norm": self.residual_norm}
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Works with a round in flight: its average is waited for and saved."""
+        state: dict[str, Any] = {
+            "t": self.t, "in_sync": self.in_sync, "residual_clean": self.residual_clean,
+            "outer_steps": self.outer_steps, "corrections": self.corrections, "rounds_sent": self.rounds_sent,
+            "residual_norm": self.residual_norm,
+            "anchor": self._by_name(self.anchor), "momentum": self._by_name(self.momentum),
+            "base": self._by_name(self.base), "in_flight": None,
+        }
+        if self.in_flight is not None:
+            f = self.in_flight
+            state["in_flight"] = {"round": f.round, "exact": f.exact, "average": self._by_name(f.result())}
+        state["collective"] = self.reducer.state_dict()      # after the wait: residuals settled
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.t = int(state["t"])
+        self.in_sync, self.residual_clean = bool(state["in_sync"]), bool(state["residual_clean"])
+        self.outer_steps, self.corrections = int(state["outer_steps"]), int(state["corrections"])
+        self.rounds_sent = int(state["rounds_sent"])
+        self.residual_norm = state.get("residual_norm")
+        self.anchor = self._from_names(state["anchor"])
+        self.momentum = self._from_names(state["momentum"])
+        self.base = self._from_names(state["base"])
+        f = state.get("in_flight")
+        self.in_flight = None if f is None else _Flight(None, int(f["round"]), bool(f["exact"]),
+                                                        self._from_names(f["average"]))
+        self.reducer.load_state_dict(state["collective"])
+
+    def close(self) -> None:
+        self.reducer.close()

@@ -1,0 +1,1 @@
+"""Adapters for training loops lowband does not own: PyTorch DDP communication hooks."""

@@ -1,0 +1,2 @@
+"""The process a worker runs in: device choice, CPU binding, the C heap mode, the scheduler slice of
+communication threads, rendezvous, the worker launcher and fault injection for the tests."""

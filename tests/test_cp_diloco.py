@@ -1,0 +1,403 @@
+"""cp-diloco against a slow single-process simulation of its workers (DiLoCo, then each
+mechanism added: 2-bit with error feedback, the pipelined outer step, the corrections), plus
+its invariants, checkpoint/resume and training."""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import pytest
+import torch
+
+import lowband
+from lowband.algorithms import make_algorithm
+from lowband.algorithms.warmup import share_bounds
+from lowband.app import tasks
+from lowband.codecs import ErrorFeedback, build_compressor
+
+from .distributed import run_distributed
+from .training import SmallNet, batches, make_optimizer, params_of, poisoned_steps
+
+WORLD = 2
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _write(model, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD) -> tuple[list[dict], list[dict]]:
+    """cp-diloco written out for ``world`` workers in one process, parameter by parameter:
+    each worker's model and inner optimizer, the anchor as a parameter of torch's own SGD
+    (Nesterov) outer optimizer, per-worker error feedback through the codec's public
+    compress/decompress, and the average as the mean of the decoded payloads. Returns each
+    worker's parameters and residuals (by parameter name)."""
+    cfg = make_algorithm("cp-diloco", **opts)
+    H, warmup, k = cfg.sync_every, cfg.warmup_steps, cfg.correction_every
+    torch.manual_seed(0)
+    init = SmallNet()
+    workers = [copy.deepcopy(init) for _ in range(world)]
+    inner = [make_optimizer(kind, m) for m in workers]
+    its = [batches(r, world).epoch(0) for r in range(world)]
+    names = [n for n, _ in init.named_parameters()]
+    shapes = [p.shape for p in init.parameters()]
+    sizes = [p.numel() for p in init.parameters()]
+    codecs = [ErrorFeedback(build_compressor(cfg.compressor, cfg.compressor_options, False)) for _ in range(world)]
+    anchor = outer = None
+    base: list[Optional[torch.Tensor]] = [None] * world
+    pending = None
+
+    def residual(i: int, name: str) -> torch.Tensor:
+        return codecs[i].residual(name) if codecs[i].has_residual(name) else None
+
+    def average(d: list[torch.Tensor], r: int) -> torch.Tensor:
+        exact = k is not None and (k == 1 or (cfg.correction == "burst" and (r + 1) % k == 0))
+        share = (0, 0)
+        if k is not None and not exact and cfg.correction == "spread":
+            share = share_bounds(sum(sizes), k, r % k)
+        out, offset = [], 0
+        for name, shape, n in zip(names, shapes, sizes):
+            # this parameter's elements in the exact share (spread): averaged exactly with the
+            # residual flushed into them; in the codes they are 0 with a residual of 0
+            m = torch.zeros(n, dtype=torch.bool)
+            m[max(share[0] - offset, 0):max(min(share[1] - offset, n), 0)] = True
+            parts, exact_parts = [], []
+            for i in range(world):
+                x = d[i][offset:offset + n].clone()
+                e = residual(i, name)
+                if exact or len(shape) <= 1:
+                    if exact and e is not None:
+                        x += e.reshape(-1)
+                        e.zero_()
+                    parts.append(x)
+                    continue
+                flat_e = None if e is None else e.view(-1)
+                exact_parts.append(x[m] + (0 if flat_e is None else flat_e[m]))
+                x[m] = 0
+                if flat_e is not None:
+                    flat_e[m] = 0
+                payload, ctx = codecs[i].compress(x.view(shape), name)
+                parts.append(codecs[i].decompress(payload, ctx).reshape(-1))
+            total = parts[0]
+            for x in parts[1:]:
+                total = total + x
+            total = total / world
+            if exact_parts and bool(m.any()):
+                ex = exact_parts[0]
+                for x in exact_parts[1:]:
+                    ex = ex + x
+                total[m] = ex / world
+            out.append(total)
+            offset += n
+        return torch.cat(out)
+
+    def step_outer(D: torch.Tensor) -> None:
+        anchor.grad = D.clone()
+        outer.step()
+
+    for t in range(steps):
+        for m, opt, it in zip(workers, inner, its):
+            x, y = next(it)
+            opt.zero_grad()
+            tasks.loss(m(x), y).backward()
+        if t < warmup:
+            for ps in zip(*[m.parameters() for m in workers]):
+                g = sum(p.grad for p in ps) / world
+                for p in ps:
+                    p.grad = g.clone()
+            for opt in inner:
+                opt.step()
+            continue
+        if anchor is None:
+            anchor = torch.nn.Parameter(_flat(workers[0]).clone())
+            outer = torch.optim.SGD([anchor], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+            base = [_flat(m).clone() for m in workers]
+        for opt in inner:
+            opt.step()
+        if (t - warmup + 1) % H:
+            continue
+        r = (t - warmup) // H
+        d = [base[i] - _flat(workers[i]) for i in range(world)]
+        D = average(d, r)
+        with torch.no_grad():
+            if not cfg.pipelined:
+                step_outer(D)
+                for i, m in enumerate(workers):
+                    _write(m, anchor.detach())
+                    base[i] = anchor.detach().clone()
+                continue
+            if pending is not None:
+                step_outer(pending)
+                for i, m in enumerate(workers):
+                    _write(m, anchor.detach() - d[i])
+            base = [_flat(m).clone() for m in workers]
+            pending = D
+    params = [params_of(m) for m in workers]
+    residuals = [{n: codecs[i].residual(n).reshape(-1).clone() for n in names if codecs[i].has_residual(n)}
+                 for i in range(world)]
+    return params, residuals
+
+
+def _train(rank: int, world: int, opts: dict, steps: int, kind: str = "sgd", after=None):
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = make_optimizer(kind, model)
+    engine = lowband.distribute(model, opt, "cp-diloco", **opts)
+    it = batches(rank, world).epoch(0)
+    out = []
+    for t in range(steps):
+        x, y = next(it)
+        opt.zero_grad()
+        tasks.loss(engine.module(x), y).backward()
+        engine.step()
+        if after is not None:
+            out.append(after(t, model, engine))
+    return model, opt, engine, out
+
+
+def _run_plain(rank: int, world: int, opts: dict, steps: int, kind: str):
+    model, _, engine, _ = _train(rank, world, opts, steps, kind)
+    params = params_of(model)
+    residuals = engine.bound.reducer.state_dict()["worker"]
+    engine.close()
+    return params, {n: v.reshape(-1) for n, v in residuals.items()}
+
+
+def _max_err(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_uncompressed_unpipelined_equals_diloco(kind):
+    """No compression, an exact round every round, no pipeline, after a 2-step synchronous
+    warm-up: DiLoCo (mean of the outer gradients, Nesterov outer step) over 3 rounds."""
+    opts = dict(sync_every=4, compressor="none", correction="burst", correction_every=1, pipelined=False,
+                warmup_steps=2)
+    steps = 2 + 3 * 4
+    got = run_distributed(_run_plain, WORLD, opts, steps, kind)
+    want, _ = simulate(steps, opts, kind)
+    for rank in range(WORLD):
+        assert _max_err(got[rank][0], want[rank]) < 1e-6, rank
+    # a non-trivial trajectory: the outer step moved the weights off a single worker's
+    assert _max_err(got[0][0], params_of(SmallNet())) > 1e-3
+
+
+@pytest.mark.parametrize("opts", [
+    # 2-bit + error feedback, pipelined, a burst correction in round 2 of 5
+    dict(sync_every=3, correction="burst", correction_every=3),
+    # pipelined, the spread correction (the default): share r % 3 exact in every round
+    dict(sync_every=3, correction_every=3),
+    # the same, unpipelined, no correction, heavy-ball outer momentum
+    dict(sync_every=3, correction_every=None, pipelined=False, nesterov=False),
+], ids=["pipelined-burst", "pipelined-spread", "unpipelined-nocorrection"])
+def test_compressed_equals_simulation(opts):
+    """Each mechanism added to the DiLoCo reference: per-parameter 2-bit codes with error
+    feedback (the codec's public compress/decompress), the one-round-late outer step with the
+    local rebase, the burst and spread corrections flushing the residuals. Parameters and
+    residuals."""
+    steps = 15
+    got = run_distributed(_run_plain, WORLD, opts, steps, "sgd")
+    want, want_e = simulate(steps, opts)
+    for rank in range(WORLD):
+        params, residuals = got[rank]
+        assert _max_err(params, want[rank]) < 1e-5, rank
+        assert set(residuals) == set(want_e[rank])
+        assert _max_err(residuals, want_e[rank]) < 1e-5, rank
+
+
+def _invariants(rank: int, world: int, opts: dict, steps: int):
+    def after(t, model, engine):
+        b = engine.bound
+        b.reducer.pipeline.call(lambda: None)    # every queued message sent (timing only)
+        e = b.reducer.worker_residual("cp-diloco-delta")
+        return {"t": t, "anchor": None if b.anchor is None else b.anchor.clone(), "params": params_of(model),
+                "bytes": engine.stats.bytes_sent, "metrics": b.step_metrics(),
+                "residual": None if e is None else e.clone()}
+    model, _, engine, out = _train(rank, world, opts, steps, after=after)
+    engine.synchronize()
+    final = params_of(model)
+    numel = sum(p.numel() for p in model.parameters())
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() <= 1)
+    codec = build_compressor("2bit", {}, False)
+    payload = sum(codec.payload_nbytes(p.numel()) for p in model.parameters() if p.dim() > 1)
+    summary = engine.bound.summary()
+    engine.close()
+    return out, final, numel, vectors, payload, summary
+
+
+def test_invariants_blocking_burst_correction():
+    """Pipelined 2-bit rounds with a blocking burst correction every 3rd round: the anchor is
+    bit-identical on every rank at every step; after each correction round every replica holds
+    the same weights (and the residuals are 0); between them they differ; a compressed round
+    sends about 2 bits per coded element (the codec's payload, the 1-D parameters in fp32);
+    after synchronize() the replicas are identical."""
+    H, steps = 2, 2 * 7
+    opts = dict(sync_every=H, correction="burst", correction_every=3, blocking_correction=True)
+    results = run_distributed(_invariants, WORLD, opts, steps)
+    (out0, final0, numel, vectors, payload, summary), (out1, final1, *_) = results
+    for a, b in zip(out0, out1):
+        if a["anchor"] is not None:
+            assert torch.equal(a["anchor"], b["anchor"]), a["t"]
+    corrections = [a["t"] for a in out0 if a["metrics"]["message"] == "exact"]
+    assert corrections == [5, 11]
+    for a, b in zip(out0, out1):
+        same = all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        assert same == (a["t"] in corrections), a["t"]
+        if a["t"] in corrections:
+            assert float(a["residual"].abs().max()) == 0.0
+    assert all(torch.equal(final0[n], final1[n]) for n in final0)
+    # bytes of a compressed round's message (the round ending at t=7, the only message sent
+    # after t=5's): at 2 ranks allgather sends one section: codes + scales + flag bytes + the
+    # fp32 1-D parameters
+    sent = out0[7]["bytes"] - out0[5]["bytes"]
+    expected = payload + 4 * vectors
+    assert expected <= sent <= expected + 64, (sent, expected)
+    # 2 bits per code plus one fp32 scale per 256-element block
+    assert 2.0 < (sent - 4 * vectors) * 8 / (numel - vectors) < 2.0 + 32 / 256 + 0.05
+    assert summary["outer_steps"] == summary["rounds_sent"] == 7 and summary["corrections"] == 2
+
+
+def test_spread_invariants():
+    """Spread correction (default knobs but H=2, k=3): constant message sizes, identical anchors,
+    the exact share rotates."""
+    opts = dict(sync_every=2, correction_every=3)
+    results = run_distributed(_invariants, WORLD, opts, 12)
+    out0, out1 = results[0][0], results[1][0]
+    for a, b in zip(out0, out1):
+        assert torch.equal(a["anchor"], b["anchor"]), a["t"]
+    messages = [a["metrics"]["message"] for a in out0 if a["metrics"]["round_end"]]
+    assert messages == ["spread"] * 6
+    sizes = [out0[t + 2]["bytes"] - out0[t]["bytes"] for t in (1, 3, 5, 7, 9)]   # one message each
+    assert max(sizes) - min(sizes) <= 8, sizes
+
+
+def _loss_run(rank: int, world: int, opts: dict, steps: int):
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = lowband.distribute(model, opt, "cp-diloco", **opts)
+    probe = batches(0, 1, 256).epoch(0)
+    x0, y0 = next(probe)
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float(tasks.loss(engine.global_model()(x0), y0))
+    first = evaluate()
+    it = batches(rank, world).epoch(0)
+    for _ in range(steps):
+        x, y = next(it)
+        opt.zero_grad()
+        tasks.loss(engine.module(x), y).backward()
+        engine.step()
+    mid = evaluate()
+    engine.synchronize()
+    last = evaluate()
+    engine.close()
+    return first, mid, last
+
+
+def test_training_reduces_loss():
+    """4 warm-up steps, then 10 rounds of H=4 with the defaults (pipelined 2-bit, spread
+    correction, outer momentum 0.5): the global model's loss on a fixed batch falls to less
+    than half of its start, evaluated mid-pipeline and after synchronize()."""
+    first, mid, last = run_distributed(_loss_run, WORLD, dict(sync_every=4, warmup_steps=4), 44)[0]
+    assert mid < 0.5 * first and last < 0.5 * first, (first, mid, last)
+
+
+def _checkpointed(rank: int, world: int, opts: dict, steps: int, cut: Optional[int]):
+    """Train ``steps`` steps; with ``cut``, save everything after step ``cut``, build a new
+    model/optimizer/engine from a different seed, load, and go on with the same batches."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, "cp-diloco", **opts)
+    it = batches(rank, world).epoch(0)
+    for t in range(steps):
+        if t == cut:
+            state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                                   "engine": engine.state_dict()})
+            engine.close()
+            torch.manual_seed(123)
+            model = SmallNet()
+            opt = make_optimizer("sgd", model)
+            engine = lowband.distribute(model, opt, "cp-diloco", **opts)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            engine.load_state_dict(state["engine"])
+            engine.check_replicas()
+        x, y = next(it)
+        opt.zero_grad()
+        tasks.loss(engine.module(x), y).backward()
+        engine.step()
+    before = params_of(model)
+    evaluated = params_of(engine.global_model())
+    engine.synchronize()
+    after = params_of(model)
+    engine.close()
+    return before, evaluated, after
+
+
+@pytest.mark.parametrize("cut", [9, 12], ids=["mid-round-in-flight", "round-boundary"])
+def test_resume_is_bit_exact(cut):
+    """A checkpoint mid-round with the previous round's message in flight (after step 9 of
+    H=4: round 1 ended at step 7, its average is not applied yet), or just after a round end,
+    resumes bit for bit: local weights, the evaluated global model and the synchronized one."""
+    opts = dict(sync_every=4, correction_every=3)
+    plain = run_distributed(_checkpointed, WORLD, opts, 22, None)
+    resumed = run_distributed(_checkpointed, WORLD, opts, 22, cut)
+    for rank in range(WORLD):
+        for a, b in zip(plain[rank], resumed[rank]):
+            assert all(torch.equal(a[n], b[n]) for n in a), rank
+
+
+def _nan_run(rank: int, world: int, bad_step: int, steps: int = 6):
+    """H=2 (rounds end at steps 2, 4, 6, 1-based) with rank 1's gradient NaN at ``bad_step``."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    opt = make_optimizer("sgd", model)
+    engine = lowband.distribute(model, opt, "cp-diloco", sync_every=2)
+    bad = dict(model.named_parameters())["fc2.bias"]
+    deferred: list = []
+    try:
+        poisoned_steps(engine, opt, batches(rank, world).epoch(0), steps, bad_step if rank == 1 else 0,
+                       lambda: float("nan") * bad.sum(), lambda: deferred.append(engine.guard.pending))
+        engine.synchronize()
+    except lowband.NonFiniteGradientError as e:
+        return {"step": e.step, "bad": e.bad, "raised_at": len(deferred) + 1,
+                "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                "anchor_finite": bool(torch.isfinite(engine.bound.anchor).all())}
+    return {"no error": True, "deferred": deferred}
+
+
+def _nan_runs(rank: int, world: int) -> dict:
+    return {"local": _nan_run(rank, world, 3), "round_end": _nan_run(rank, world, 4), "clean": _nan_run(rank, world, 0)}
+
+
+def test_nan_guard_as_localsgd():
+    """Local steps defer the finiteness decision to the next step; round ends decide at once,
+    before the round's message leaves: the anchor never takes a NaN."""
+    for rank, n in enumerate(run_distributed(_nan_runs, WORLD)):
+        assert n["clean"] == {"no error": True, "deferred": [True, False] * 3}
+        local, end = n["local"], n["round_end"]
+        assert local["step"] == 3 and local["bad"] == {1: "fc2.bias"} and local["raised_at"] == 4
+        assert local["finite"] == (rank != 1) and local["anchor_finite"]
+        assert end["step"] == 4 and end["raised_at"] == 4 and end["finite"] and end["anchor_finite"]
+
+
+def test_options_and_registry():
+    assert "cp-diloco" in lowband.ALGORITHMS
+    algo = make_algorithm("cp-diloco", sync_every="8", correction_every="none", pipelined="false")
+    assert (algo.sync_every, algo.correction_every, algo.pipelined) == (8, None, False)
+    for bad, words in [({"sync_every": 0}, "sync_every"), ({"outer_momentum": 1.0}, "outer_momentum"),
+                       ({"correction": "rolling"}, "correction"),
+                       ({"blocking_correction": True}, "blocking_correction"),
+                       ({"compressor": "3bit"}, "compressor")]:
+        with pytest.raises(ValueError, match=words):
+            make_algorithm("cp-diloco", **bad)
