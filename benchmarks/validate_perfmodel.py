@@ -119,9 +119,8 @@ def join_probe_group() -> Optional[int]:
     """A probe rank's set-up, as a lowband worker's: its C heap in the workers' default mode
     (:mod:`lowband.runtime.memory`), one intra-op thread, the gloo group of the launcher's environment
     and its threads' scheduler slice in the workers' default, once every one of them runs
-    (:func:`lowband.runtime.comm_threads.shorten_settled`; until the twenty-seventh session the slice
-    was asked for right after ``init_process_group`` and missed 1 or 2 of gloo's 3 threads).
-    Returns how many threads took it (None: a kernel without custom slices)."""
+    (:func:`lowband.runtime.comm_threads.shorten_settled`: asked for right after
+    ``init_process_group``, the slice can miss some of gloo's threads). Returns how many threads took it (None: a kernel without custom slices)."""
     import torch
     import torch.distributed as dist
     from lowband.runtime import comm_threads, memory
@@ -317,17 +316,16 @@ def probe_contention(link: str, world: int, rounds: int = 5) -> dict:
             "ranks": outs}
 
 
-#: independent runs of the step probe (fresh processes each) behind its costs, from the
-#: twenty-seventh session on: one run's chained links read 0.67-2.04 ms at 2 workers from one
-#: group to the next (runs/s27/val), the per-process spread the idle probe showed too
+#: independent runs of the step probe (fresh processes each) behind its costs: one run's chained
+#: links vary from one process group to the next, as the idle probe's do
 STEP_PROBES = 3
 
 
 def probed_costs(pr: dict) -> dict:
     """The step probe's costs of a run's probe record, by today's rule (:func:`step_probe_costs`
     on the raw timings runs keep): the median over its ``STEP_PROBES`` runs of each cost (each
-    chained link separately); runs made before this rule hold one step probe, whose
-    costs are taken as they are (up to runs/s27/val); runs before the step probe, none ({})."""
+    chained link separately); older runs that hold one step probe have its costs taken as
+    they are; runs without a step probe, none ({})."""
     runs = pr.get("step_syncs") or ([pr["step_sync"]] if "step_sync" in pr else [])
     each = [step_probe_costs(r["ranks"]) for r in runs]
     if not each:
@@ -349,8 +347,7 @@ def step_probe_costs(outs: list[dict]) -> dict:
     the first and in the second all-reduce of every step): per round, the mean over ranks of
     each rank's median step; the median round. Medians, as the measured step is robust to
     load spikes (the median of block means), so the probe must not count the spikes either:
-    the calls have a long tail (up to 10-14 ms at 2 workers, 36-55 ms at 4 in the twenty-second
-    session's probes), and the ranks' means came out 11-214% above their medians."""
+    the calls have a long tail, which puts the ranks' means far above their medians."""
     rounds = len(outs[0]["first"])
 
     def cost(pick) -> float:
@@ -388,15 +385,11 @@ LATENCY_PROBES = 5
 
 def latency_from_probes(medians: list[float], world: int) -> float:
     """Per-message latency from the median 64-byte all-reduce time of each of several probe runs:
-    the median of them over the ring's 2(N-1) messages. On this 2-core vm one run's median is
-    bimodal at 2 workers: six runs at 1gbit (twenty-fifth session) gave 0.39-0.45 ms per call
-    in three and 1.3-3.1 ms in the other three, every run's tenth percentile 0.23-0.35 ms; the
-    twenty-fourth session's 1gbit group landed high (1,444 us where the sessions before had
-    measured 201-226 us). The median of independent runs keeps a run's own outliers out (a
-    median) and a minority of runs in the bad mode too. The least of them, tried first, is
-    biased low where the runs agree (at 4 workers five runs gave 5.1-8.6 ms per call and
-    nothing bimodal): on the twenty-fifth session's runs it predicted 57 of 60 within 15%,
-    the median 59 (results.md, the validation section)."""
+    the median of them over the ring's 2(N-1) messages. On a small machine one run's median can
+    be bimodal (a run lands in a low or a high mode, several times apart). The median of
+    independent runs keeps a run's own outliers out (a median) and a minority of runs in the
+    bad mode too; the least of them would be biased low where the runs agree (docs/perfmodel.md,
+    the validation section)."""
     from lowband.comm.wire import allreduce_messages
     if not medians:
         raise ValueError("no latency probe runs")
@@ -406,10 +399,9 @@ def latency_from_probes(medians: list[float], world: int) -> float:
 def latency_from_step_probe(met_again_s: float, world: int) -> float:
     """Per-message latency from the step probe's second 4-byte all-reduce (the one right behind
     another, between training steps: the CPUs awake, the ranks just met), over the ring's
-    2(N-1) messages. The idle 64-byte probe has a high mode on the 2-core vm (2.6-3.9 ms per call
-    at 2 workers, in 14 of 15 runs of the twenty-sixth session) that no training step shows
-    (results.md). The report's default since the twenty-seventh session, set before that
-    session's validation runs (``report --latency-from probe``: the idle probe)."""
+    2(N-1) messages. The idle 64-byte probe has a high mode on small machines that no training
+    step shows, so this is the report's default (``report --latency-from probe``: the idle
+    probe)."""
     from lowband.comm.wire import allreduce_messages
     if world < 2:
         raise ValueError("a latency needs at least 2 workers")

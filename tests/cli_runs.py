@@ -24,6 +24,7 @@ CLI_ALGORITHMS = sorted(lowband.ALGORITHMS) if os.environ.get("LOWBAND_ALL_ALGOR
 PAST_WARMUP = {
     "compressed": ["--option", "warmup_steps=3"],
     "cpsgd": ["--option", "warmup_steps=3", "--option", "correction_period=3"],
+    "cp-diloco": ["--option", "sync_every=3", "--option", "correction_every=2"],
 }
 #: generous bound on one small run (a loaded 2-core machine needs ~10 s to start torch twice)
 RUN_DEADLINE_S = 120.0

@@ -318,7 +318,7 @@ def test_twobit_invariants():
         assert set(code.unique().tolist()) <= {-1, 0, 1}
         assert torch.equal(e, r - t * code.float())  # e_new = e_old + g - t*code, exactly
         assert (e.abs() < t).all()
-    # any gradient: |e_new| < t + |g| whenever |e_old| < t (spec B.1.9)
+    # any gradient: |e_new| < t + |g| whenever |e_old| < t
     g = torch.randn(999, generator=gen) * 10
     q.compress_residual_(e, "w", add=g)
     assert (e.abs() < t + g.abs()).all()

@@ -1,4 +1,4 @@
-"""CP-SGD against a slow single-process simulation of N workers (spec A.2 degenerate cases)."""
+"""CP-SGD against a slow single-process simulation of N workers (and its degenerate cases)."""
 from __future__ import annotations
 
 import copy
@@ -337,7 +337,7 @@ def test_parameters_no_rank_used_stay_put_and_partly_used_ones_agree(correction)
         assert torch.equal(final0[n], start[n])
 
 
-def _native_or_torch(rank: int, world: int, mode: str, optimizer: str = "sgd"):
+def _native_or_torch(rank: int, world: int, mode: str, optimizer: str = "sgd", clip: bool = False):
     import os
     from lowband import _native as kernels
     os.environ[kernels.ENV] = mode
@@ -357,6 +357,8 @@ def _native_or_torch(rank: int, world: int, mode: str, optimizer: str = "sgd"):
         x, y = next(it)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        if clip:
+            engine.clip_grad_norm_(0.3)
         engine.step()
     engine.synchronize()
     out = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -365,17 +367,18 @@ def _native_or_torch(rank: int, world: int, mode: str, optimizer: str = "sgd"):
     return out, bufs, fused
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_native_kernels_and_fused_step_equal_the_torch_path_end_to_end(optimizer):
+@pytest.mark.parametrize("optimizer, clip", [("sgd", False), ("adamw", False), ("sgd", True)])
+def test_native_kernels_and_fused_step_equal_the_torch_path_end_to_end(optimizer, clip):
     """Default CP-SGD (look-ahead local update; SGD with Nesterov momentum and weight decay, or
     AdamW) with the native codecs and the fused global+local step equals the pure-torch path
     (torch codecs, optimizer.step() then the tentative step) bit for bit, 10 steps past
-    the warm-up, on 2 gloo ranks."""
+    the warm-up, on 2 gloo ranks; also with engine.clip_grad_norm_ (the average and the local
+    gradient clipped before either path)."""
     from lowband import _native as kernels
     if kernels.library() is None:
         pytest.skip("native kernels not built")
-    native = run_distributed(_native_or_torch, 2, "native", optimizer)
-    torch_path = run_distributed(_native_or_torch, 2, "torch", optimizer)
+    native = run_distributed(_native_or_torch, 2, "native", optimizer, clip)
+    torch_path = run_distributed(_native_or_torch, 2, "torch", optimizer, clip)
     from lowband.optim.tentative import FusedAdamStep
     # where no rounding of the Adam kernel matches this torch build, CP-SGD takes torch's ops
     expect_fused = optimizer == "sgd" or FusedAdamStep.rounding() is not None

@@ -75,7 +75,7 @@ def test_bench_says_when_a_run_never_left_its_warm_up(tmp_path, monkeypatch, cap
     plain = [{k: v for k, v in s.items() if k != "warmup"} for s in warm]
     assert RunResult(None, {}, plain).row()["steady_steps"] == 15 and RunResult(None, {}, plain).row()["warmup_steps_logged"] == 0
 
-    def fake_run(cfg, rate, burst=None):
+    def fake_run(cfg, rate, burst=None, rtt=0.0):
         import os
         os.makedirs(cfg.run_dir, exist_ok=True)
         open(os.path.join(cfg.run_dir, "epochs.jsonl"), "w").close()
@@ -101,7 +101,7 @@ def test_bench_rounds_run_the_algorithms_in_the_chosen_order(tmp_path, monkeypat
               "thread_cpu_s": 0.01, "bytes_sent": 100} for t in range(1, 21)]
     ran = []
 
-    def fake_run(cfg, rate, burst=None):
+    def fake_run(cfg, rate, burst=None, rtt=0.0):
         import os
         os.makedirs(cfg.run_dir, exist_ok=True)
         open(os.path.join(cfg.run_dir, "epochs.jsonl"), "w").close()

@@ -90,6 +90,24 @@ class EngineContext:
     clip: Optional[GradientClip] = None
     #: the total norm that the last applied clipping measured (before clipping)
     grad_norm: Optional[torch.Tensor] = None
+    #: the ``torch.amp.GradScaler`` of the coming step (``engine.step(scaler=...)``; None: none),
+    #: for algorithms that take one (:attr:`BoundAlgorithm.scales`): :meth:`optimizer_step`
+    scaler: Optional[Any] = None
+
+    def optimizer_step(self) -> None:
+        """The optimizer step of ``.grad`` as it is now, for an algorithm whose ``.grad`` then
+        holds the same average on every rank: under a GradScaler unscaled first
+        (``scaler.unscale_``), then clipped (:attr:`clip`), then ``scaler.step``, which skips
+        the step where the unscaled gradient is not finite, on every rank alike (the average
+        carries one rank's inf to every rank); without one, clipped and ``optimizer.step()``."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.clip is not None:
+            self.clip_gradients([p.grad for p in self.params])
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
 
     def clip_gradients(self, grads: Sequence[Optional[torch.Tensor]], clip: Optional[GradientClip] = None,
                        record: bool = True) -> None:
@@ -145,6 +163,8 @@ class BoundAlgorithm(ABC):
     #: whether :meth:`lowband.Engine.rebuild` may close this binding and bind the algorithm
     #: anew to another parameter set (False: state outside lowband is tied to the old one)
     rebuildable: ClassVar[bool] = True
+    #: whether ``step()`` takes a GradScaler (``ctx.scaler``, through ``ctx.optimizer_step``)
+    scales: ClassVar[bool] = False
 
     def __init__(self, cfg: Algorithm, ctx: EngineContext) -> None:
         self.cfg = cfg

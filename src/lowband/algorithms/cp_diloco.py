@@ -19,7 +19,7 @@ round ``r = (t - warmup_steps) // H``. At the end of round r, after its inner st
     pipelined=True:             D_r is launched on the reducer's background queue and waited
                                 for only at the end of round r + 1, which then does
                                     A, m <- outer(A, m, D_{r-1})     (the previous round's)
-                                    theta <- A - d;  base <- theta
+                                    theta <- A - w d;  base <- theta   (w = local_weight, 1)
                                 (round 0 has nothing to apply: theta and base stay)
 
 ``outer`` is SGD with (Nesterov) momentum on the outer gradient, torch's formula:
@@ -89,7 +89,7 @@ DELTA, WARMUP = "cp-diloco-delta", "cp-diloco-warmup"
 
 @dataclass
 class CPDiLoCo(Algorithm):
-    """Knobs (module docstring for the algorithm; the lead tunes the defaults by measurement):
+    """Knobs (the algorithm: module docstring; measurements behind the defaults: docs/cp-diloco.md):
 
         sync_every: H, inner steps per round. 16, the ``diloco`` peer's default on the bench's
             cnn and gpt runs: one 2-bit message per 16 steps.
@@ -108,13 +108,21 @@ class CPDiLoCo(Algorithm):
             next round's outer gradient. Without it the biased 2-bit code loses mass.
         pipelined: round r's message travels during round r + 1 and is applied at its end
             (module docstring); False: every round waits for its own average (DiLoCo).
+        local_weight: pipelined only: the weight of a rank's own progress of the round just
+            ended in its rebased model, ``theta <- A - local_weight * d``. 1 (CP-SGD's local
+            update: the own progress stands in for the average until it arrives); 0 drops it
+            (torchft's Streaming DiLoCo with its default ``fragment_update_alpha=0``: every
+            replica restarts from the anchor); in between mixes the two.
         correction: ``"spread"`` (share r % k exact in every round, constant bytes) or
             ``"burst"`` (everything exact every k-th round). Spread by default: on a slow
             link a burst round's fp32 message (16x a 2-bit one) may not fit behind one round of
             compute and would stall the next round.
         correction_every: k; None never corrects; 1 sends every round in fp32 (with
-            ``pipelined=False`` and ``correction="burst"`` that is DiLoCo). 8: a 1/8 fp32 share
-            plus 2-bit codes is ~6 bits per element per round, about a fifth of fp32 DiLoCo's.
+            ``pipelined=False`` and ``correction="burst"`` that is DiLoCo). 32: a 1/32 fp32
+            share plus the 2-bit codes and scales is ~3.1 bits per element per round, a tenth
+            of fp32 DiLoCo's 32, and every element's residual is flushed once in 32 rounds.
+            A smaller k spends bytes on a compression error that error feedback already
+            carries forward (docs/cp-diloco.md).
         blocking_correction: with ``"burst"``, a correction round waits for its own exact
             average and leaves every replica bit-identical (module docstring). Off: nothing
             blocks unless the link falls behind.
@@ -135,8 +143,9 @@ class CPDiLoCo(Algorithm):
     collective: str = "auto"
     error_feedback: bool = True
     pipelined: bool = True
+    local_weight: float = 1.0
     correction: str = "spread"
-    correction_every: Optional[int] = 8
+    correction_every: Optional[int] = 32
     blocking_correction: bool = False
     compress_vectors: bool = False
     warmup_steps: int = 0
@@ -160,6 +169,9 @@ class CPDiLoCo(Algorithm):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         if isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
             raise ValueError(f"{self.name}: outer_lr must be a number > 0, got {self.outer_lr!r}")
+        w = self.local_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise ValueError(f"{self.name}: local_weight must be in [0, 1], got {w!r}")
         mu = self.outer_momentum
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 <= mu < 1.0:
             raise ValueError(f"{self.name}: outer_momentum must be in [0, 1), got {mu!r}")
@@ -192,6 +204,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
 
     cfg: CPDiLoCo
     uses_gradient_hooks: ClassVar[bool] = False
+    clips: ClassVar[bool] = True
 
     def __init__(self, cfg: CPDiLoCo, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
@@ -255,16 +268,21 @@ class BoundCPDiLoCo(BoundAlgorithm):
             p.copy_(flat[offset:offset + n].view_as(p))
             offset += n
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def _views(self, flat: torch.Tensor, cast: bool = True) -> list[torch.Tensor]:
+        """Per parameter, its part of ``flat`` in its shape (and, with ``cast``, its dtype)."""
         out, offset = [], 0
         for p in self.ctx.params:
             n = p.numel()
-            out.append(flat[offset:offset + n].view_as(p).to(p.dtype))
+            v = flat[offset:offset + n].view(p.shape)
+            out.append(v.to(p.dtype) if cast else v)
             offset += n
         return out
 
     def _by_name(self, flat: Optional[torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
-        return None if flat is None else {n: v.detach().clone() for n, v in zip(self.ctx.names, self._views(flat))}
+        """``flat`` keyed by parameter name, in fp32 (a checkpoint keeps every bit)."""
+        if flat is None:
+            return None
+        return {n: v.detach().clone() for n, v in zip(self.ctx.names, self._views(flat, cast=False))}
 
     def _from_names(self, saved: Optional[dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
         if saved is None:
@@ -309,12 +327,15 @@ class BoundCPDiLoCo(BoundAlgorithm):
                          "round_end": False, "message": None}
         if self.warmup.active(t):
             self._average_gradients()
-            self.ctx.optimizer.step()
-        else:
-            if self.anchor is None:                   # the first round starts from these weights
-                self.anchor = self._flat_params()
-                self.base = self.anchor.clone()
-            self.ctx.optimizer.step()
+        elif self.anchor is None:                     # the first round starts from these weights
+            self.anchor = self._flat_params()
+            self.base = self.anchor.clone()
+        # clipping (engine.clip_grad_norm_), as localsgd: the averaged gradient in a warm-up
+        # step, the local one in an inner step
+        if self.ctx.clip is not None:
+            self.ctx.clip_gradients([p.grad for p in self.ctx.params])
+        self.ctx.optimizer.step()
+        if not self.warmup.active(t):
             self.in_sync = False
             if self.ends_round(t):
                 self._end_round(self.round_of(t))
@@ -380,7 +401,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
             self._apply(previous)
         self.in_flight = self._send(d, r)
         if previous is not None:
-            local = self.anchor - d
+            local = self.anchor - d if self.cfg.local_weight == 1 else self.anchor - self.cfg.local_weight * d
             self._write_params(local)
             self.base = local if all(p.dtype == torch.float32 for p in self.ctx.params) else self._flat_params()
         else:

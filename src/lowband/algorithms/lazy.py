@@ -577,6 +577,11 @@ class BoundLazyUpdate(BoundAlgorithm):
                 p.grad = g
         self._close_window()
 
+    def replicated_state(self) -> tuple[Optional[list[torch.Tensor]], bool]:
+        """The parameters and the optimizer state (every rank applies the same averages); not
+        :meth:`global_parameters`, which communicates to apply the open window."""
+        return list(self.ctx.params), True
+
     @torch.no_grad()
     def global_parameters(self) -> Optional[list[torch.Tensor]]:
         """With a window open: the parameters as :meth:`drain` would leave them (the same

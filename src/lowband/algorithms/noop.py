@@ -31,11 +31,10 @@ class BoundNoComm(BoundAlgorithm):
 
     uses_gradient_hooks: ClassVar[bool] = False
     clips: ClassVar[bool] = True
+    scales: ClassVar[bool] = True
 
     def step(self) -> None:
-        if self.ctx.clip is not None:     # the local gradient (there is no other)
-            self.ctx.clip_gradients([p.grad for p in self.ctx.params])
-        self.ctx.optimizer.step()
+        self.ctx.optimizer_step()         # the local gradient (there is no other)
 
     def gradients_applied_late(self) -> bool:
         """The ranks' replicas never meet, so no rank's NaN can poison another's: the

@@ -50,6 +50,7 @@ class BoundSSGD(BoundAlgorithm):
     cfg: SSGD
     captures_gradients: ClassVar[bool] = True
     clips: ClassVar[bool] = True
+    scales: ClassVar[bool] = True
 
     def __init__(self, cfg: SSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
@@ -66,7 +67,5 @@ class BoundSSGD(BoundAlgorithm):
         for b in self.buckets.buckets:
             b.handle.wait()
             self.buckets.write_gradients(b, as_views=self.cfg.gradient_as_bucket_view)
-        if self.ctx.clip is not None:     # DDP + clip_grad_norm_: the averaged gradient
-            self.ctx.clip_gradients([p.grad for p in self.ctx.params])
-        self.ctx.optimizer.step()
+        self.ctx.optimizer_step()         # DDP + GradScaler + clip_grad_norm_: the averaged gradient
         self.buckets.reset()

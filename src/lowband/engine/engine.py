@@ -200,13 +200,30 @@ class Engine:
         self.comm.stats.collect_gpu_waits()
         return self.comm.stats
 
-    def step(self) -> bool:
+    def step(self, scaler: Optional[Any] = None) -> bool:
         """Finish this iteration's communication and advance the optimizer. Returns False when
         the step was skipped on every rank for a non-finite gradient (``nonfinite="skip"``);
-        callers then leave their LR scheduler alone, as if the step had not happened."""
+        callers then leave their LR scheduler alone, as if the step had not happened.
+
+        ``scaler``: the ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward ran on, as
+        a DDP script passes it to ``scaler.step(optimizer)``; the average is unscaled, clipped
+        (:meth:`clip_grad_norm_`) and stepped by ``scaler.step``, which skips a step whose
+        gradient is not finite on every rank alike; then call ``scaler.update()`` as usual.
+        Needs ``distribute(..., nonfinite="off")`` (the scaler decides about non-finite steps)
+        and an algorithm whose ``.grad`` holds the average before the optimizer step (``ssgd``,
+        the DDP peers, ``noop``); the others refuse it with one line."""
         if self._accumulating:
             raise RuntimeError("engine.step() inside engine.no_sync(): run the last micro-batch's backward "
                                "after the block, then call step()")
+        if scaler is not None and scaler.is_enabled():
+            if not self.bound.scales:
+                raise ValueError(f"{self.algorithm.name} does not take a GradScaler: its codecs and windows hold "
+                                 "gradients across steps in units that change with the scale; use bf16 autocast, "
+                                 "which needs no scaler")
+            if self.guard.active:
+                raise ValueError("engine.step(scaler=...) needs lowband.distribute(..., nonfinite='off'): the "
+                                 "GradScaler skips non-finite steps itself, on every rank alike")
+            self.ctx.scaler = scaler
         try:
             self._check_trainable()
             if self._taken:
@@ -214,6 +231,7 @@ class Engine:
             return self._step()
         finally:
             self.ctx.clip = None
+            self.ctx.scaler = None
 
     def _step(self) -> bool:
         if self._accumulated:
@@ -365,10 +383,12 @@ class Engine:
                 self._deliver[index]()
 
     def synchronize(self) -> None:
-        """Drain in-flight work (the model then holds the global weights) and average the
-        floating-point buffers (BatchNorm running statistics) so every rank holds the same
-        model: for the end of training. It changes the trajectory of algorithms that keep work
-        in flight or replicas apart (CP-SGD's pipeline, local SGD's period), so evaluation
+        """Apply everything pending (CP-SGD's in-flight step, at the learning rate of the step
+        that computed it; the lazy update's open window), so the model holds the global
+        weights, and average the floating-point buffers (BatchNorm running statistics) so
+        every rank holds the same model: for the end of training. It changes the trajectory of
+        algorithms that keep work in flight or replicas apart (CP-SGD's pipeline, the lazy
+        update's window, local SGD's period), so evaluation
         during training uses :meth:`global_model` instead, and checkpoints save each rank's
         exact state. Buffers are averaged here rather than every step: in training mode
         BatchNorm normalises with batch statistics, so the running averages only matter when

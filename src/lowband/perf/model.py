@@ -736,6 +736,17 @@ def _periodic_average(st: _Step, o: dict, steps: int, period_key: str, outer_ste
     return ends
 
 
+def _coerced(name: str, o: dict) -> dict:
+    """``o`` with the registry algorithm's own knobs coerced to their types as the command
+    line's options are (``correction_every=none`` -> None, ``"16"`` -> 16); others as given."""
+    import dataclasses
+    from ..algorithms import ALGORITHMS
+    from ..algorithms.base import check_options
+    cls = ALGORITHMS[name]
+    known = {f.name for f in dataclasses.fields(cls)}
+    return {**o, **check_options(cls, {k: v for k, v in o.items() if k in known})}
+
+
 def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     """Local steps; at the end of every round (``sync_every`` steps) the flat outer gradient
     of all parameters goes to the background thread as one message: compressed (the 1-D
@@ -744,9 +755,10 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     only for the previous round's message, then takes the outer step and the rebase; with
     ``pipelined=False`` (or a blocking burst correction) it waits for its own. The outer step
     and the rebase are charged one optimizer step each. Warm-up steps are not modelled."""
+    o = _coerced("cp-diloco", o)
     H = max(1, int(o.get("sync_every", 16)))
     collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
-    k, mode = o.get("correction_every", 8), o.get("correction", "spread")
+    k, mode = o.get("correction_every", 32), o.get("correction", "spread")
     everything = list(range(len(st.p.params)))
     nb = st.nbytes(everything)
     exact = _exact_bytes(st, everything, o.get("compress_vectors", False))

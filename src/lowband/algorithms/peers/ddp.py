@@ -164,6 +164,7 @@ class BoundDDP(BoundAlgorithm):
     cfg: DDP
     uses_gradient_hooks: ClassVar[bool] = False
     clips: ClassVar[bool] = True
+    scales: ClassVar[bool] = True
 
     def __init__(self, cfg: DDP, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
@@ -223,9 +224,7 @@ class BoundDDP(BoundAlgorithm):
         if self._t_last_ready is not None and self._t_done is not None:
             self.ctx.comm.stats.comm_wait_s += max(0.0, self._t_done - self._t_last_ready)
         self._t_last_ready = self._t_done = None
-        if self.ctx.clip is not None:     # DDP's .grad holds the average after backward
-            self.ctx.clip_gradients([p.grad for p in self.ctx.params])
-        self.ctx.optimizer.step()
+        self.ctx.optimizer_step()         # DDP's .grad holds the average after backward
 
     def close(self) -> None:
         self.ddp = None
@@ -251,6 +250,8 @@ class BoundDDPPowerSGD(BoundDDP):
     """DDP with PyTorch's PowerSGD hook, bound to one engine: the hook's state (memories, RNG)."""
 
     cfg: DDPPowerSGD
+    #: the hook's error feedback and warm-started factors hold scaled gradients across steps
+    scales: ClassVar[bool] = False
 
     def __init__(self, cfg: DDPPowerSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
