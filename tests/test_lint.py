@@ -1,4 +1,4 @@
-"""ruff is clean on src, tests and benchmarks ([tool.ruff] in pyproject.toml). Skipped where ruff
+"""ruff is clean on src, tests, benchmarks and examples ([tool.ruff] in pyproject.toml). Skipped where ruff
 is not installed (it is in the ``test`` extra)."""
 from __future__ import annotations
 
@@ -23,6 +23,6 @@ def _ruff() -> list[str]:
 
 
 def test_ruff_is_clean():
-    out = subprocess.run([*_ruff(), "check", "--no-cache", "src", "tests", "benchmarks"], cwd=ROOT,
+    out = subprocess.run([*_ruff(), "check", "--no-cache", "src", "tests", "benchmarks", "examples"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
