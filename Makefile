@@ -32,7 +32,7 @@ data:
 # The main job: which method reaches the target first over a slow link. 2 workers, LeNet on
 # Fashion-MNIST, each worker behind an emulated 20 Mbit/s paced link (every message pays its
 # bytes / rate; loopback when the machine forbids namespaces, and it says so). lowband's methods
-# race PyTorch's and torchft's. The run is short (150 steps), so the compressing methods get 30
+# race PyTorch's and torchft's. The run is short (120 steps), so the compressing methods get 30
 # fp32 warm-up steps instead of their defaults, or the demo would mostly show their warm-up.
 # Then the language model whose input embedding tables hold 47% of its weights (gpt-ngram) at
 # 200 Mbit/s: ssgd, the lazy update and cp-diloco.
@@ -40,8 +40,8 @@ DEMO_ALGORITHMS ?= noop,ssgd,ddp-powersgd,localsgd,diloco,streaming-diloco,compr
 DEMO_LM_ALGORITHMS ?= ssgd,lazy,cp-diloco
 demo: venv data
 	$(BIN)/lowband bench --algorithms $(DEMO_ALGORITHMS) --bandwidth 20mbit --fallback-loopback \
-	  --workers 2 --model cnn --max-steps 150 --eval-every 25 --no-progress --out runs/demo
-	$(BIN)/lowband bench --algorithms $(DEMO_LM_ALGORITHMS) --bandwidth 200mbit --fallback-loopback --bucket-mb 0.25 \
+	  --workers 2 --model cnn --max-steps 120 --eval-every 20 --no-progress --out runs/demo
+	$(BIN)/lowband bench --algorithms $(DEMO_LM_ALGORITHMS) --bandwidth 200mbit --fallback-loopback \
 	  --workers 2 --model gpt-ngram --max-steps 40 --eval-every 20 --no-progress --out runs/demo-lm
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.

@@ -13,8 +13,6 @@ bucket through lowband's compressed collective, with error feedback, after
 payloads meet. The hook state pickles (residuals included) for checkpoints.
 """
 import argparse
-import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,11 +24,10 @@ from torch.utils.data import TensorDataset as TorchTensorDataset
 from lowband.app.data import DEFAULT_DATA_DIR, load_dataset
 from lowband.app.models import LeNet
 from lowband.app.tasks import evaluate
+import lowband
 from lowband.codecs import COMPRESSORS
 from lowband.comm.plans import COLLECTIVE_CHOICES
 from lowband.integrations.ddp_hook import CompressionHookState, compression_hook
-from lowband.runtime.launcher import free_port
-from lowband.runtime.rendezvous import init_process_group
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,31 +90,9 @@ def train(args, device: torch.device) -> None:
               f"bytes_sent/fp32 {stats['ratio']:.3f}", flush=True)
 
 
-def run(local_rank: int, args, port) -> None:
-    if port is not None:                      # spawned by main(): the environment torchrun would set
-        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                          LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")        # gloo on Linux's loopback interface
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    if torch.cuda.is_available():             # NCCL when every local rank has a GPU of its own
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        backend = "nccl" if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)) else "gloo"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    init_process_group(backend, timedelta(minutes=5))   # loopback rendezvous stays on loopback
-    try:
-        train(args, device)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     args = parse_args()
-    if "RANK" in os.environ:                  # torchrun, or any launcher that sets RANK/WORLD_SIZE
-        run(int(os.environ.get("LOCAL_RANK", 0)), args, None)
-    else:
-        torch.multiprocessing.spawn(run, args=(args, free_port()), nprocs=args.nproc)
+    lowband.launch(train, args, nproc=args.nproc)   # --nproc local ranks, or join torchrun's world
 
 
 if __name__ == "__main__":

@@ -529,3 +529,12 @@ def test_run_tables_are_built_once_and_remember_their_addresses():
         assert not table.flags.writeable
         other = table.copy()
         assert enc.address(other) == other.ctypes.data != table.ctypes.data
+
+
+def test_bytes_to_payload_copies_a_tensor_whose_offset_breaks_its_alignment():
+    """A codec may put an odd-length int8 tensor before an fp32 one; splitting the wire bytes
+    back must still give the fp32 values (a view at an odd offset would raise)."""
+    from lowband.codecs.bucket import bytes_to_payload, payload_to_bytes
+    payload = [torch.tensor([1, -2, 3], dtype=torch.int8), torch.tensor([0.5, -1.25], dtype=torch.float32)]
+    back = bytes_to_payload(payload_to_bytes(payload), payload)
+    assert torch.equal(back[0], payload[0]) and torch.equal(back[1], payload[1])

@@ -4,6 +4,8 @@ its invariants, checkpoint/resume and training."""
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from typing import Optional
 
 import pytest
@@ -423,9 +425,202 @@ def test_options_and_registry():
     assert "cp-diloco" in lowband.ALGORITHMS
     algo = make_algorithm("cp-diloco", sync_every="8", correction_every="none", pipelined="false")
     assert (algo.sync_every, algo.correction_every, algo.pipelined) == (8, None, False)
-    for bad, words in [({"sync_every": 0}, "sync_every"), ({"outer_momentum": 1.0}, "outer_momentum"),
+    assert make_algorithm("cp-diloco", sync_every="auto", max_sync_every="32").sync_every == "auto"
+    for bad, words in [({"sync_every": 0}, "sync_every"), ({"sync_every": "fast"}, "sync_every must be an integer >= 1 or 'auto'"),
+                       ({"sync_every": "auto", "min_sync_every": 8, "max_sync_every": 4}, "max_sync_every must be >= min"),
+                       ({"min_sync_every": 0}, "min_sync_every"), ({"outer_momentum": 1.0}, "outer_momentum"),
                        ({"correction": "rolling"}, "correction"), ({"local_weight": 1.5}, "local_weight"),
                        ({"blocking_correction": True}, "blocking_correction"),
                        ({"compressor": "3bit"}, "compressor")]:
         with pytest.raises(ValueError, match=words):
             make_algorithm("cp-diloco", **bad)
+
+
+# -- sync_every="auto" ----------------------------------------------------------------------
+
+def test_sync_fit_controller_rule():
+    """The smallest H whose message fits in 80% of H compute steps, within [min, max]; grows at
+    once, shrinks only when the message uses less than 60% of the current round; skips
+    measurements it cannot use."""
+    from lowband.algorithms.cp_diloco import SyncFitController
+    c = SyncFitController(1, 64)
+    assert c.decide(1, 0.05, 0.01) == 7                  # 0.05 / (0.8 * 0.01) = 6.25
+    assert c.decide(7, 0.05, 0.01) == 7                  # fits: stays
+    assert c.decide(8, 0.05, 0.01) == 8                  # 62.5% of the round: in the band, stays
+    assert c.decide(9, 0.05, 0.01) == 7                  # 55.6% < 60%: shrinks to the fit
+    assert c.decide(32, 0.05, 0.01) == 7
+    assert c.decide(6, 0.05, 0.01) == 7                  # 83% > 80%: grows
+    assert c.decide(3, 10.0, 0.01) == 64                 # the cap
+    assert SyncFitController(4, 64).decide(8, 0.0, 0.01) == 4     # the floor
+    for H, m, s in [(5, float("nan"), 0.01), (5, 0.05, 0.0), (5, -1.0, 0.01), (5, 0.05, float("inf"))]:
+        assert c.decide(H, m, s) == H
+    # against the definition, from any H: the result fits (or is the cap) and H - 1 does not
+    # (or is below the floor); a move down only from a round the message uses < 60% of
+    g = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        lo = int(torch.randint(1, 5, (1,), generator=g))
+        hi = lo + int(torch.randint(0, 40, (1,), generator=g))
+        m, s = float(torch.rand(1, generator=g)) * 0.5, 0.001 + float(torch.rand(1, generator=g)) * 0.02
+        H = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        new = SyncFitController(lo, hi).decide(H, m, s)
+        smallest = next((h for h in range(lo, hi + 1) if m <= 0.8 * h * s), hi)
+        if new != H:
+            assert new == smallest, (lo, hi, H, m, s, new)
+            assert new > H or m < 0.6 * H * s
+        else:
+            assert H >= smallest or H == hi
+
+
+def _fake_step_seconds(self):
+    return 0.01 * (1 + self.ctx.rank)                    # the ranks' mean: 0.015 s
+
+
+#: per round, the message time of rank 0 (rank 1 measures twice as much: mean 1.5x)
+FAKE_MESSAGES = [0.02, 0.1, 0.1, 0.03, 0.2, 0.01, 0.05, 0.05, 0.3, 0.02, 0.02, 0.02, 0.02]
+
+
+def _fake_message_seconds(self, flight):
+    return FAKE_MESSAGES[flight.round % len(FAKE_MESSAGES)] * (1 + self.ctx.rank)
+
+
+def expected_auto_schedule(steps: int, lo: int, hi: int) -> list[list[int]]:
+    """The ``(round, first step, H)`` changes the fake measurements give, replayed on the
+    pipelined protocol: round r's end applies round r - 1's message, which carries each rank's
+    median of its last 3 message times (rounds r - 2, r - 3, r - 4) and of its step times;
+    the rule takes the ranks' means (rank 1 measures twice rank 0: 1.5x rank 0's)."""
+    from lowband.algorithms.cp_diloco import SyncFitController
+    rule, H, start, r = SyncFitController(lo, hi), lo, 0, 0
+    history = [[0, 0, H]]
+    while start < steps:
+        end = start + H - 1
+        if r >= 2:
+            window = [FAKE_MESSAGES[j % len(FAKE_MESSAGES)] for j in range(max(0, r - 4), r - 1)]
+            message = statistics.median(window) * 1.5
+            new = rule.decide(H, message, 0.015)
+            if new != H:
+                H = new
+                history.append([r + 1, end + 1, H])
+        start, r = end + 1, r + 1
+    return history
+
+
+def _auto_run(rank: int, world: int, opts: dict, steps: int, cut: Optional[int], fake: bool,
+              delay: float = 0.0):
+    """``steps`` steps of cp-diloco under ``opts`` with each step's metrics; ``fake``: the
+    measurements replaced by the fixed ones above; ``delay``: every round's message job sleeps
+    that long on the background thread (a slow link, measured for real); ``cut``: checkpoint
+    after step ``cut`` and resume into a fresh engine (as ``_checkpointed``)."""
+    from lowband.algorithms.cp_diloco import BoundCPDiLoCo
+    if fake:
+        BoundCPDiLoCo._step_seconds = _fake_step_seconds
+        BoundCPDiLoCo._message_seconds = _fake_message_seconds
+
+    def build():
+        model = SmallNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        engine = lowband.distribute(model, opt, "cp-diloco", **opts)
+        if delay:
+            reducer, run = engine.bound.reducer, engine.bound.reducer._run
+
+            def slow(name, *args, **kw):
+                if name == "cp-diloco-delta":
+                    time.sleep(delay)
+                return run(name, *args, **kw)
+            reducer._run = slow
+        return model, opt, engine
+
+    torch.manual_seed(0)
+    model, opt, engine = build()
+    x0, y0 = next(batches(0, 1, 256).epoch(0))
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float(tasks.loss(engine.global_model()(x0), y0))
+    first = evaluate()
+    data = batches(rank, world)
+    it = (xy for epoch in range(1000) for xy in data.epoch(epoch))
+    metrics = []
+    for t in range(steps):
+        if t == cut:
+            state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                                   "engine": engine.state_dict()})
+            engine.close()
+            torch.manual_seed(123)
+            model, opt, engine = build()
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            engine.load_state_dict(state["engine"])
+        x, y = next(it)
+        opt.zero_grad()
+        tasks.loss(engine.module(x), y).backward()
+        engine.step()
+        metrics.append(engine.bound.step_metrics())
+    before = params_of(model)
+    summary = engine.bound.summary()
+    engine.synchronize()
+    last = evaluate()
+    after = params_of(model)
+    engine.close()
+    return {"metrics": metrics, "summary": summary, "before": before, "after": after, "first": first, "last": last}
+
+
+def _rounds(metrics: list[dict]) -> list[tuple[int, int, int]]:
+    """``(round, first step, length)`` of each whole round, from the step metrics; checks that
+    every step of a round reports the same round and H and that the round is H steps long."""
+    rounds, start = [], 0
+    for t, m in enumerate(metrics):
+        assert m["round"] == len(rounds) and m["sync_every"] == metrics[start]["sync_every"], t
+        if m["round_end"]:
+            assert t - start + 1 == m["sync_every"], t
+            rounds.append((len(rounds), start, m["sync_every"]))
+            start = t + 1
+    return rounds
+
+
+def test_auto_sync_every_measured_agreed_and_trains():
+    """``sync_every="auto"`` over a slow link (each round's message job takes 60 ms more on the
+    background thread, timed for real): both ranks run the same rounds with the same H at every
+    step, H grows from 1 once the measurements arrive, changes only at round ends, stays in
+    [min, max], and the global model's loss falls."""
+    opts = dict(sync_every="auto", max_sync_every=12, correction_every=4)
+    a, b = run_distributed(_auto_run, WORLD, opts, 72, None, False, 0.06)
+    assert [m["sync_every"] for m in a["metrics"]] == [m["sync_every"] for m in b["metrics"]]
+    assert [m["round_end"] for m in a["metrics"]] == [m["round_end"] for m in b["metrics"]]
+    rounds = _rounds(a["metrics"])
+    assert len(rounds) >= 6
+    sizes = [H for _, _, H in rounds]
+    assert sizes[:3] == [1, 1, 1] and max(sizes) > 1 and all(1 <= H <= 12 for H in sizes), sizes
+    history = a["summary"]["sync_every_history"]
+    assert history == b["summary"]["sync_every_history"]
+    changes = [[r, s, H] for i, (r, s, H) in enumerate(rounds) if i == 0 or H != rounds[i - 1][2]]
+    assert changes == [h for h in history if h[0] < len(rounds)]
+    assert a["last"] < 0.7 * a["first"], (a["first"], a["last"])
+    assert all(torch.equal(a["after"][n], b["after"][n]) for n in a["after"])
+
+
+@pytest.mark.parametrize("cut", [23, 53], ids=["mid-round-in-flight", "round-boundary-new-H"])
+def test_auto_sync_every_follows_the_rule_and_resumes_bit_exact(cut):
+    """With the measurements fixed (rank-dependent, so the ranks' mean decides): the rounds
+    follow the rule replayed on the pipelined protocol (two rounds of lag, medians of windows),
+    and a resume before step ``cut`` (mid-round with a round in flight, or at the round end
+    where H changes) continues bit for bit: the H schedule, the local weights and the
+    synchronized model."""
+    opts = dict(sync_every="auto", max_sync_every=20, correction_every=3)
+    steps = 60
+    plain = run_distributed(_auto_run, WORLD, opts, steps, None, True)
+    resumed = run_distributed(_auto_run, WORLD, opts, steps, cut, True)
+    want = expected_auto_schedule(steps, 1, 20)
+    assert len(want) >= 4
+    for rank in range(WORLD):
+        p, q = plain[rank], resumed[rank]
+        assert p["summary"]["sync_every_history"] == want
+        rounds = _rounds(p["metrics"])
+        assert len(rounds) >= 8
+        last = p["metrics"][cut - 1]                  # the step before the checkpoint
+        assert last["round"] >= 1                      # a round in flight
+        assert last["round_end"] == (cut == 53)
+        assert ([last["round"] + 1, cut] in [h[:2] for h in want]) == (cut == 53)   # H changes there
+        assert [m["sync_every"] for m in p["metrics"]] == [m["sync_every"] for m in q["metrics"]]
+        assert q["summary"]["sync_every_history"] == want
+        for key in ("before", "after"):
+            assert all(torch.equal(p[key][n], q[key][n]) for n in p[key]), (rank, key)

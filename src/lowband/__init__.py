@@ -7,8 +7,9 @@ from .algorithms import ALGORITHMS, CPSGD, SSGD, CPDiLoCo, Algorithm, Compressed
 from .comm.agreement import ConfigMismatchError
 from .engine.engine import Engine, distribute
 from .engine.guard import NonFiniteGradientError
+from .runtime.local_launch import launch
 
 __version__ = "0.1.0"
 
 __all__ = ["distribute", "Engine", "Algorithm", "SSGD", "CompressedSGD", "CPSGD", "CPDiLoCo", "LazyUpdate", "ALGORITHMS", "make_algorithm", "register", "__version__",
-           "ConfigMismatchError", "NonFiniteGradientError"]
+           "ConfigMismatchError", "NonFiniteGradientError", "launch"]

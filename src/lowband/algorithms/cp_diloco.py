@@ -22,6 +22,18 @@ round ``r = (t - warmup_steps) // H``. At the end of round r, after its inner st
                                     theta <- A - w d;  base <- theta   (w = local_weight, 1)
                                 (round 0 has nothing to apply: theta and base stay)
 
+With ``sync_every="auto"`` H is a per-round value: round r + 1 starts at the step after round
+r's end, and its H is decided at that end by :class:`SyncFitController` from measurements
+every rank holds alike: each round's message carries, in two fp32 values beside the outer
+gradient (an exact segment of the same message, averaged in rank order on every rank), this
+rank's time for the messages it waited for (the reducer's job on the background thread:
+codec and network) and the compute time of its inner steps, each the median of a short
+window of this rank's last samples (``MESSAGE_WINDOW`` messages, ``STEP_WINDOW`` steps). The
+rule reads the means in the newest average applied: pipelined, round r's end applies round
+r - 1's message, so round r + 1's H rests on the messages up to round r - 2 and the steps up
+to round r - 1.
+With a fixed ``sync_every`` the schedule is the formula above and nothing is appended.
+
 ``outer`` is SGD with (Nesterov) momentum on the outer gradient, torch's formula:
 ``m <- mu m + D`` (``m = D`` at the first step), ``A <- A - lr (D + mu m)`` (Nesterov) or
 ``A <- A - lr m``.
@@ -69,8 +81,11 @@ bit for bit.
 """
 from __future__ import annotations
 
+import math
+import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -85,6 +100,47 @@ from .warmup import Warmup, share_bounds
 CORRECTIONS = ("spread", "burst")
 #: the reducer's bucket of the outer gradient, and of a warm-up step's gradients
 DELTA, WARMUP = "cp-diloco-delta", "cp-diloco-warmup"
+#: ``sync_every="auto"``: the fp32 segment of two values (this rank's message and step time)
+#: appended to every round's message, and what a rank sends where it has no sample (any mean
+#: over ranks that includes it is negative, which the rule skips)
+MEASURE, MISSING = "cp-diloco-measure", -1e30
+#: what a rank's two values are medians of: its last message times (one per round) and its
+#: last inner steps' compute times (across rounds: a short round has few steps), so that one
+#: slow message or step (an evaluation, a checkpoint, another process) moves neither
+MESSAGE_WINDOW, STEP_WINDOW = 3, 16
+
+
+@dataclass
+class SyncFitController:
+    """``sync_every="auto"``: the smallest H whose round's message fits behind H compute steps.
+
+    From two numbers every rank holds alike (the ranks' means of ``message_s``, the time the
+    reducer's job for one round's message took on the background thread, and ``step_s``, the
+    compute time of one inner step; each rank's the median of its last few samples), at a
+    round end::
+
+        fit = ceil(message_s / (target * step_s))   within [min_sync_every, max_sync_every]
+        fit > H                              ->  H = fit      (the link falls behind: grow at once)
+        message_s < low * H * step_s         ->  H = fit      (much room: shrink to the fit)
+        otherwise                                 H stays
+
+    ``target`` leaves room for jitter (the message fits in 80% of the round); the band between
+    ``low`` and ``target`` keeps H from flapping between neighbours. A round's message is the
+    same size whatever H (the whole outer gradient), so one measurement prices every H.
+    """
+
+    min_sync_every: int
+    max_sync_every: int
+    target: float = 0.8
+    low: float = 0.6
+
+    def decide(self, H: int, message_s: float, step_s: float) -> int:
+        if not (math.isfinite(message_s) and math.isfinite(step_s)) or message_s < 0 or step_s <= 0:
+            return H
+        fit = max(self.min_sync_every, min(self.max_sync_every, math.ceil(message_s / (self.target * step_s))))
+        if fit > H or message_s < self.low * H * step_s:
+            return fit
+        return H
 
 
 @dataclass
@@ -92,7 +148,18 @@ class CPDiLoCo(Algorithm):
     """Knobs (the algorithm: module docstring; measurements behind the defaults: docs/cp-diloco.md):
 
         sync_every: H, inner steps per round. 16, the ``diloco`` peer's default on the bench's
-            cnn and gpt runs: one 2-bit message per 16 steps.
+            cnn and gpt runs: one 2-bit message per 16 steps. ``"auto"``: H follows the link
+            (:class:`SyncFitController`): the smallest H whose round's message, as measured in
+            the run, fits behind H compute steps, re-decided at every round end from the
+            ranks' means of the measurements, which ride in fp32 in the round's own message
+            (8 bytes more per round, no collective of their own). H starts at
+            ``min_sync_every`` and changes only at round boundaries; each step's H is in the
+            step metrics (``sync_every``). The decision depends on measured time, so two runs
+            may choose different H (a checkpoint saves the H reached and the pending
+            measurements). Not the default: it has not been measured against 16 for accuracy.
+        min_sync_every, max_sync_every: the range of H under ``"auto"`` (ignored otherwise). 1:
+            the rule alone decides how small H gets; 64: a cap on the drift a round may
+            accumulate between replicas when the link is very slow (not measured).
         outer_lr: the outer optimizer's learning rate. 0.7, DiLoCo's.
         outer_momentum: its momentum (0: plain SGD on the outer gradient). 0.5, not DiLoCo's
             0.9: the pipelined outer step applies every average one round late, and a late
@@ -134,7 +201,9 @@ class CPDiLoCo(Algorithm):
             worth many rounds of 2-bit outer gradients.
     """
 
-    sync_every: int = 16
+    sync_every: Union[int, str] = 16
+    min_sync_every: int = 1
+    max_sync_every: int = 64
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
     nesterov: bool = True
@@ -155,10 +224,23 @@ class CPDiLoCo(Algorithm):
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective, 1.0,
                                 self.error_feedback)
-        for knob, low in (("sync_every", 1), ("warmup_steps", 0)):
+        H = self.sync_every
+        if isinstance(H, str) and H.strip().lower() != "auto":
+            try:
+                self.sync_every = H = int(H.strip())
+            except ValueError:
+                pass
+        elif isinstance(H, str):
+            self.sync_every = H = "auto"
+        if H != "auto" and (isinstance(H, bool) or not isinstance(H, int) or H < 1):
+            raise ValueError(f"{self.name}: sync_every must be an integer >= 1 or 'auto', got {H!r}")
+        for knob, low in (("min_sync_every", 1), ("max_sync_every", 1), ("warmup_steps", 0)):
             v = getattr(self, knob)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{self.name}: {knob} must be an integer >= {low}, got {v!r}")
+        if self.max_sync_every < self.min_sync_every:
+            raise ValueError(f"{self.name}: max_sync_every must be >= min_sync_every, got "
+                             f"max_sync_every={self.max_sync_every}, min_sync_every={self.min_sync_every}")
         k = self.correction_every
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"{self.name}: correction_every must be an integer >= 1 or None, got {k!r}")
@@ -185,15 +267,27 @@ class CPDiLoCo(Algorithm):
 
 class _Flight:
     """One round's outer-gradient message: the reducer's handle (or, restored from a
-    checkpoint, its result). ``result()`` waits once and returns the flat fp32 average."""
+    checkpoint, its result). ``result()`` waits once and returns the flat fp32 average of the
+    ``numel`` outer-gradient elements; under ``sync_every="auto"`` the message carries two
+    more fp32 values (the ranks' mean measurements, ``measured``) and ``seconds`` is how long
+    the reducer's job took on the background thread (None: not timed)."""
 
-    def __init__(self, handle, round_index: int, exact: bool, value: Optional[torch.Tensor] = None):
+    def __init__(self, handle, round_index: int, exact: bool, value: Optional[torch.Tensor] = None,
+                 numel: Optional[int] = None, measured: Optional[list[float]] = None,
+                 seconds: Optional[float] = None):
         self.handle, self.round, self.exact = handle, round_index, exact
-        self._value = value
+        self._value, self.numel = value, numel
+        self.measured, self.seconds = measured, seconds
 
     def result(self) -> torch.Tensor:
         if self._value is None:
-            self._value = self.handle.wait()
+            value = self.handle.wait()
+            span = self.handle.span
+            self.seconds = None if span is None else span[1] - span[0]
+            if self.numel is not None and value.numel() > self.numel:
+                self.measured = [float(x) for x in value[self.numel:].tolist()]
+                value = value[:self.numel]
+            self._value = value
             self.handle = None
         return self._value
 
@@ -230,13 +324,32 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.rounds_sent = 0
         self.residual_norm: Optional[float] = None        # after the last applied round's encode
         self._metrics: dict[str, Any] = {}
+        # the round schedule (agreed on every rank): the current round, its first step, its H
+        self.auto = cfg.sync_every == "auto"
+        self.H = cfg.min_sync_every if self.auto else cfg.sync_every
+        self.round, self.round_start = 0, cfg.warmup_steps
+        #: (round, its first step, H) where H took a new value
+        self.H_history: list[list[int]] = [[0, cfg.warmup_steps, self.H]]
+        # sync_every="auto": the rule (SyncFitController) and its measurements
+        self.fit = SyncFitController(cfg.min_sync_every, cfg.max_sync_every) if self.auto else None
+        self.delta_segments, self.delta_exact = self.segments, self.exact_segments
+        if self.auto:
+            self.delta_segments = self.segments + [(MEASURE, 2)]
+            self.delta_exact = (self.exact_segments or [False] * len(self.segments)) + [True]
+        self._step_times: list[float] = []                # this rank's last STEP_WINDOW compute times
+        self._message_times: list[float] = []             # and its last MESSAGE_WINDOW message times
+        self._agreed: Optional[list[float]] = None        # the ranks' means, newest applied round
+        self._last_exit: Optional[float] = None           # when the last inner step() returned
+        self._waited_at_exit = 0.0                        # the exposed wait counted by then
 
-    # -- schedule (functions of the agreed step counter) ---------------------------------
+    # -- schedule (functions of the agreed step counter and round state) -----------------
     def round_of(self, t: int) -> Optional[int]:
-        return None if self.warmup.active(t) else (t - self.cfg.warmup_steps) // self.cfg.sync_every
+        """The round of the current step ``t`` (None in the warm-up)."""
+        return None if self.warmup.active(t) else self.round
 
     def ends_round(self, t: int) -> bool:
-        return not self.warmup.active(t) and (t - self.cfg.warmup_steps + 1) % self.cfg.sync_every == 0
+        """Whether the current step ``t`` ends its round."""
+        return not self.warmup.active(t) and t - self.round_start + 1 >= self.H
 
     def message_of(self, r: int) -> tuple[bool, Optional[tuple[int, int]]]:
         """Round r's message: (all exact, the exact share of a compressed one or None)."""
@@ -314,16 +427,22 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.anchor, self.momentum = self._outer(self.anchor, self.momentum, D)
         self.outer_steps += 1
         self._read_residual()
+        if self.auto:
+            seconds = self._message_seconds(flight)
+            if seconds is not None:
+                self._message_times = (self._message_times + [seconds])[-MESSAGE_WINDOW:]
+            if flight.measured is not None:
+                self._agreed = flight.measured
 
     def _read_residual(self) -> None:
         """The norm of this rank's residual (nothing of the reducer is queued at the callers)."""
         e = self.reducer.worker_residual(DELTA)
-        self.residual_norm = None if e is None else float(e.norm())
+        self.residual_norm = None if e is None else float(e[:self.numel].norm())
 
     # -- iteration -----------------------------------------------------------------------
     def step(self) -> None:
         t = self.t
-        self._metrics = {"round": self.round_of(t), "sync_every": self.cfg.sync_every, "warmup": self.warmup.active(t),
+        self._metrics = {"round": self.round_of(t), "sync_every": self.H, "warmup": self.warmup.active(t),
                          "round_end": False, "message": None}
         if self.warmup.active(t):
             self._average_gradients()
@@ -337,10 +456,55 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.ctx.optimizer.step()
         if not self.warmup.active(t):
             self.in_sync = False
+            if self.auto:
+                seconds = self._step_seconds()
+                if seconds is not None:
+                    self._step_times = (self._step_times + [seconds])[-STEP_WINDOW:]
             if self.ends_round(t):
-                self._end_round(self.round_of(t))
+                self._end_round(self.round)
+                self._next_round(t)
+            if self.auto:
+                self._last_exit, self._waited_at_exit = time.perf_counter(), self.ctx.comm.stats.comm_wait_s
         self.t += 1
         self._metrics["residual_norm"] = self.residual_norm
+
+    # -- sync_every="auto" ---------------------------------------------------------------
+    def _step_seconds(self) -> Optional[float]:
+        """This inner step's compute time: since the last inner ``step()`` returned, less the
+        exposed communication wait charged meanwhile (None for a round's first step after a
+        warm-up, a drain or a restore)."""
+        if self._last_exit is None:
+            return None
+        waited = self.ctx.comm.stats.comm_wait_s - self._waited_at_exit
+        return max(0.0, time.perf_counter() - self._last_exit - waited)
+
+    def _message_seconds(self, flight: _Flight) -> Optional[float]:
+        """The time the reducer's job for ``flight`` took (codec and network), or None where it
+        is no sample of an ordinary round: a burst correction's fp32 message (16x the bytes)
+        unless every round is exact."""
+        if flight.exact and self.cfg.correction_every != 1:
+            return None
+        return flight.seconds
+
+    def _measurements(self) -> torch.Tensor:
+        """This rank's two values for the round's message: the median of its last message times
+        and of its last steps' compute times (MISSING where it has none)."""
+        values = [statistics.median(w) if w else MISSING for w in (self._message_times, self._step_times)]
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def _next_round(self, t: int) -> None:
+        """After the round ending at step ``t``: under ``"auto"`` the rule decides the next
+        round's H from the newest agreed measurements (the same numbers on every rank)."""
+        if self.fit is not None and self._agreed is not None:
+            message_s, step_s = self._agreed
+            self._agreed = None
+            if message_s >= 0 and step_s > 0:
+                H = self.fit.decide(self.H, message_s, step_s)
+                if H != self.H:
+                    self.H = H
+                    self.H_history.append([self.round + 1, t + 1, H])
+        self.round += 1
+        self.round_start = t + 1
 
     def _average_gradients(self) -> None:
         """A warm-up step: the gradients averaged in fp32 (with had-a-gradient flags: a
@@ -367,17 +531,18 @@ class BoundCPDiLoCo(BoundAlgorithm):
 
     def _send(self, d: torch.Tensor, r: int) -> _Flight:
         exact, share = self.message_of(r)
+        payload = torch.cat([d, self._measurements()]) if self.auto else d
         if exact:
-            handle = self.reducer.start_full_precision(d, DELTA, self.segments, flush_residuals=True)
+            handle = self.reducer.start_full_precision(payload, DELTA, self.delta_segments, flush_residuals=True)
             self.corrections += 1
         else:
-            handle = self.reducer.start(d, DELTA, self.segments, exact=share, flush_exact=True,
-                                        exact_segments=self.exact_segments, copy=False)
+            handle = self.reducer.start(payload, DELTA, self.delta_segments, exact=share, flush_exact=True,
+                                        exact_segments=self.delta_exact, copy=False)
             self.corrections += share is not None
         self.rounds_sent += 1
         self._metrics["message"] = "exact" if exact else ("spread" if share is not None else "compressed")
         self.residual_clean = exact or not self.cfg.error_feedback
-        return _Flight(handle, r, exact)
+        return _Flight(handle, r, exact, numel=self.numel if self.auto else None)
 
     @torch.no_grad()
     def _end_round(self, r: int) -> None:
@@ -418,7 +583,12 @@ class BoundCPDiLoCo(BoundAlgorithm):
         if self.in_flight is not None:
             anchor, momentum = self._outer(anchor, momentum, self.in_flight.result())
         pending = self.base - self._flat_params()
-        self.reducer.add_residuals(DELTA, pending, zero=zero)   # nothing is queued: waited above
+        if self.auto:                                  # the reducer's bucket has the measurements' 2
+            padded = torch.cat([pending, pending.new_zeros(2)])
+            self.reducer.add_residuals(DELTA, padded, zero=zero)   # nothing is queued: waited above
+            pending = padded[:self.numel]
+        else:
+            self.reducer.add_residuals(DELTA, pending, zero=zero)
         self.ctx.comm.all_reduce(pending, op=dist.ReduceOp.AVG)
         anchor.sub_(pending)
         return anchor, momentum
@@ -456,10 +626,12 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.base = self.anchor.clone()
         self.in_sync = self.residual_clean = True
         self.residual_norm = 0.0 if self.cfg.error_feedback else None
+        self._last_exit = None                         # the drain's time is no step's
 
     # -- reporting -----------------------------------------------------------------------
     def step_metrics(self) -> dict[str, Any]:
-        """``round`` (None in the warm-up), ``sync_every`` (H), ``warmup``, ``round_end``,
+        """``round`` (None in the warm-up), ``sync_every`` (the H of the step's round: under
+        ``"auto"`` the value the rule chose), ``warmup``, ``round_end``,
         ``message`` (at a round end: ``compressed``, ``spread`` (with an exact share) or
         ``exact``) and ``residual_norm`` (this rank's residual after the last applied round;
         None before). The training loop logs each step's counted bytes beside them (a round's
@@ -468,7 +640,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
 
     def summary(self) -> dict[str, Any]:
         return {"rounds_sent": self.rounds_sent, "outer_steps": self.outer_steps, "corrections": self.corrections,
-                "sync_every": self.cfg.sync_every, "pipelined": self.cfg.pipelined,
+                "sync_every": self.H, "sync_every_auto": self.auto,
+                "sync_every_history": [list(h) for h in self.H_history], "pipelined": self.cfg.pipelined,
                 "collective": self.reducer.name, "residual_norm": self.residual_norm}
 
     # -- state ---------------------------------------------------------------------------
@@ -480,10 +653,16 @@ class BoundCPDiLoCo(BoundAlgorithm):
             "residual_norm": self.residual_norm,
             "anchor": self._by_name(self.anchor), "momentum": self._by_name(self.momentum),
             "base": self._by_name(self.base), "in_flight": None,
+            "round": self.round, "round_start": self.round_start, "sync_every": self.H,
+            "sync_every_history": [list(h) for h in self.H_history],
         }
+        if self.auto:
+            state["fit"] = {"step_times": list(self._step_times), "message_times": list(self._message_times),
+                            "agreed": None if self._agreed is None else list(self._agreed)}
         if self.in_flight is not None:
             f = self.in_flight
-            state["in_flight"] = {"round": f.round, "exact": f.exact, "average": self._by_name(f.result())}
+            state["in_flight"] = {"round": f.round, "exact": f.exact, "average": self._by_name(f.result()),
+                                  "measured": f.measured, "seconds": f.seconds}
         state["collective"] = self.reducer.state_dict()      # after the wait: residuals settled
         return state
 
@@ -498,7 +677,22 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.base = self._from_names(state["base"])
         f = state.get("in_flight")
         self.in_flight = None if f is None else _Flight(None, int(f["round"]), bool(f["exact"]),
-                                                        self._from_names(f["average"]))
+                                                        self._from_names(f["average"]), measured=f.get("measured"),
+                                                        seconds=f.get("seconds"))
+        if "round" in state:
+            self.round, self.round_start = int(state["round"]), int(state["round_start"])
+            self.H_history = [[int(x) for x in h] for h in state["sync_every_history"]]
+            if self.auto:
+                self.H = int(state["sync_every"])
+        else:                                          # a checkpoint from before the round state
+            done = max(0, self.t - self.cfg.warmup_steps)
+            self.round = done // self.H
+            self.round_start = self.cfg.warmup_steps + self.round * self.H
+        fit = state.get("fit") or {}
+        self._step_times = [float(x) for x in fit.get("step_times", [])]
+        self._message_times = [float(x) for x in fit.get("message_times", [])]
+        self._agreed = fit.get("agreed")
+        self._last_exit = None
         self.reducer.load_state_dict(state["collective"])
 
     def close(self) -> None:

@@ -55,11 +55,16 @@ def payload_to_bytes(payload: Payload) -> torch.Tensor:
 
 
 def bytes_to_payload(buf: torch.Tensor, like: Payload) -> Payload:
-    """Split a byte buffer back into tensors shaped and typed like ``like``."""
+    """Split a byte buffer back into tensors shaped and typed like ``like``: views where the
+    offset suits the dtype's alignment, copies where it does not (a wide tensor after an
+    odd-length narrow one)."""
     out, offset = [], 0
     for t in like:
         n = t.numel() * t.element_size()
-        out.append(buf[offset:offset + n].view(t.dtype).reshape(t.shape))
+        piece = buf[offset:offset + n]
+        if (buf.storage_offset() + offset) % t.element_size():
+            piece = piece.clone()
+        out.append(piece.view(t.dtype).reshape(t.shape))
         offset += n
     return out
 

@@ -6,9 +6,9 @@ the link is idle. Two things decide how faithful that is:
 
 * **The bucket.** After an idle period (a compute step) the first ``bucket`` bytes of a message
   pass at veth speed. A large bucket turns a slow link into a fast one for every message that
-  fits: with a 96 KB bucket a 48 KB message crossed a "20 Mbit/s" link in 0.19 ms instead of
-  19.2 ms. The bucket must still hold a little more than one packet, or tbf's watchdog timer
-  latency is lost at every packet and the link runs below its rate.
+  fits (a 48 KB message, 19.2 ms of wire at 20 Mbit/s, crosses a 96 KB bucket at once). The
+  bucket must still hold a little more than one packet, or tbf's watchdog timer latency is
+  lost at every packet and the link runs below its rate.
 * **The packet size.** TCP hands the veth GSO packets of up to 64 KB, and tbf sends each one
   whole: a packet is ahead of a real wire by its own length. Capping the veths' GSO size
   (``gso_max_size`` / ``gso_max_segs``) keeps packets to a short slice of the rate.
@@ -18,7 +18,7 @@ rate (whole MSS segments, at least one) and a bucket of one packet plus :data:`S
 rate. The lead any message can gain over bytes / rate is then about
 ``bucket / rate``. Smaller packets cost the emulator CPU per byte (every frame crosses veth,
 bridge and veth), which is why the slice grows with the rate instead of being one frame always
-(docs/netem.md has the table of accuracy and CPU per GB).
+(docs/netem.md has the measured accuracy and CPU cost).
 
 The *bursting* link (``--burst SIZE``) keeps the kernel's 64 KB GSO packets and a bucket of
 ``SIZE``: it models a policer that lets bursts through, as some clouds shape.

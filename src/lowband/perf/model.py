@@ -756,7 +756,7 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     ``pipelined=False`` (or a blocking burst correction) it waits for its own. The outer step
     and the rebase are charged one optimizer step each. Warm-up steps are not modelled."""
     o = _coerced("cp-diloco", o)
-    H = max(1, int(o.get("sync_every", 16)))
+    H = _cp_diloco_h(o)
     collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
     k, mode = o.get("correction_every", 32), o.get("correction", "spread")
     everything = list(range(len(st.p.params)))
@@ -786,9 +786,19 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     return ends
 
 
+def _cp_diloco_h(o: dict) -> int:
+    """cp-diloco's H; ``"auto"`` is decided from time measured in the run, which a projection
+    does not have."""
+    H = o.get("sync_every", 16)
+    if H == "auto":
+        raise ValueError("cp-diloco: the performance model needs an integer sync_every (auto follows time "
+                         "measured in the run)")
+    return max(1, int(H))
+
+
 def _cp_diloco_cycle(o: dict) -> float:
     """cp-diloco's pattern: one round, or k rounds with the burst correction."""
-    H, k = float(max(1, int(o["sync_every"]))), o["correction_every"]
+    H, k = float(_cp_diloco_h(_coerced("cp-diloco", o))), o["correction_every"]
     return H * k if o["correction"] == "burst" and k is not None else H
 
 
