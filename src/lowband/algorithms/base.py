@@ -296,7 +296,13 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
                 return _coerce(inner[0], value, where)
             except OptionError as e:
                 raise OptionError(str(e).replace(", got ", " or none, got ", 1)) from None
-        return value
+        for member in inner:          # the first member the value is (or parses as) wins
+            try:
+                return _coerce(member, value, where)
+            except OptionError:
+                continue
+        names = " or ".join(_type_name(typing.get_origin(m) or m) for m in inner)
+        raise OptionError(f"{where} must be {names}, got {value!r}")
     if tp is Any:
         return value
     base = origin or tp
