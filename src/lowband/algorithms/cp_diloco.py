@@ -1,5 +1,5 @@
 """CP-DiLoCo: DiLoCo's inner/outer structure with CP-SGD's compression, pipeline and correction
-at the outer step (issue 52).
+at the outer step.
 
 Per rank: the model's weights theta (local), and four flat fp32 vectors over all trainable
 parameters in registration order: the anchor A and the outer momentum m (identical on every
