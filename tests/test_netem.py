@@ -81,6 +81,7 @@ def test_paced_link_shape_keeps_every_message_within_a_fraction_of_a_millisecond
     bursting = EmulatedCluster(2, 10**9, burst=1 << 20).shape
     assert bursting.model == "bursting" and bursting.bucket_bytes == 1 << 20 and bursting.segments is None
     assert "rtt 40 ms" in netem.paced(10**8, rtt_s=0.04).describe()
+    assert netem.paced(None).model == "unshaped" and netem.paced(None).as_row()["link"] == "unshaped"
     with pytest.raises(ValueError, match="rtt"):
         netem.paced(10**8, rtt_s=-1)
 

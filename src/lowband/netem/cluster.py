@@ -300,8 +300,7 @@ def _shape_commands(ns: str, dev: str, shape: LinkShape, latency: str) -> list[l
     """argv list that shapes one hop (``dev`` in ``ns``) as ``shape`` says."""
     cmds: list[list[str]] = []
     if shape.segments is not None:
-        size = max(shape.segments * FRAME_BYTES, FRAME_BYTES)
-        cmds.append(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(size),
+        cmds.append(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(shape.segments * FRAME_BYTES),
                      "gso_max_segs", str(shape.segments)])
     if shape.rate_bits is not None:
         cmds.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",

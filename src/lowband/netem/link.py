@@ -67,6 +67,9 @@ class LinkShape:
 
     @property
     def model(self) -> str:
+        """"unshaped", "paced" or "bursting"."""
+        if self.rate_bits is None:
+            return "unshaped"
         return "paced" if self.segments is not None else "bursting"
 
     @property
