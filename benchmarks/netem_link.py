@@ -1,16 +1,19 @@
 """How faithful lowband's emulated links are: delivery time after idle against bytes / rate.
 
-For each rate, two workers of an :class:`lowband.netem.EmulatedCluster` hold a warmed TCP
-connection. The sender waits ``--idle`` seconds (what a compute step leaves the link), sends one
-message and waits for a 1-byte answer; the median over ``--reps`` is divided by the ideal
-``bytes * 8 / rate``. Then a bulk phase streams 4 MB messages for ``--bulk-s`` seconds: the
-achieved payload rate over the configured rate (TCP/IP and Ethernet headers take about 4.5% on
-MTU frames), and the kernel CPU (system + irq + softirq in /proc/stat, less the same machine's
-idle baseline measured just before) per GB of payload, which is where veth, bridge and tbf spend
-their time. The row for rate ``none`` is the unshaped reference for that CPU.
+For each rate, worker 0 of an :class:`lowband.netem.EmulatedCluster` holds a warmed TCP
+connection to worker 1 (with ``--ring``, every one of ``--workers`` workers to the next at the
+same time, so every uplink and downlink carries one stream, as in a ring all-reduce). A sender
+waits ``--idle`` seconds (what a compute step leaves the link), sends one message and waits for a
+1-byte answer; the slowest sender's median over ``--reps`` is divided by
+the ideal ``bytes * 8 / rate``. Then a bulk phase streams 4 MB messages for ``--bulk-s`` seconds:
+the slowest sender's payload rate over the configured rate (TCP/IP and Ethernet headers take about
+4.5% on MTU frames), and the kernel CPU (system + irq + softirq in /proc/stat, less the same
+machine's idle baseline measured just before) per GB of payload, which is where veth, bridge and
+tbf spend their time. The row for rate ``none`` is the unshaped reference for that CPU.
 
     PYTHONPATH=src python benchmarks/netem_link.py --rates none,20mbit,50mbit,200mbit,1gbit
     PYTHONPATH=src python benchmarks/netem_link.py --rates 20mbit --burst 96kb    # a bursting link
+    PYTHONPATH=src python benchmarks/netem_link.py --rates 20mbit,200mbit --workers 8 --ring
 
 Needs root and network namespaces (the same as ``lowband bench --bandwidth``).
 """
@@ -75,8 +78,12 @@ def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float
         conn.recv(1)
         return time.perf_counter() - t0
 
-    for _ in range(3):          # open the congestion window as a long training run has
-        exchange(1 << 20)
+    # Warm the connection as a long training run has: TCP grows its congestion window and the
+    # receiver's buffer (autotuning) only as traffic needs them. After three 1 MB messages a
+    # 1-3 MB message still took ~1.2x its wire time at 1 Gbit/s, and even unshaped 2 MB was
+    # slower than 4 MB; after the largest message every size reads ~1.07x.
+    for _ in range(3):
+        exchange(BULK_MESSAGE)
     times = {}
     for n in sizes:
         samples = []
@@ -98,26 +105,41 @@ def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float
                       "kernel_cpu_s_per_gb": cpu / (sent / 1e9)}), flush=True)
 
 
-def measure(rate_text: str, burst: int | None, sizes: list[int], reps: int, idle_s: float, bulk_s: float) -> dict:
+def measure(rate_text: str, burst: int | None, sizes: list[int], reps: int, idle_s: float, bulk_s: float,
+            workers: int = 2, ring: bool = False) -> dict:
+    """Worker 0 sends to worker 1; with ``ring`` every worker r sends to worker r+1 (mod workers)
+    at the same time, so every uplink and every downlink carries one stream, as in a ring
+    all-reduce. The slowest sender's median counts."""
     from lowband.netem import EmulatedCluster, parse_rate
 
     rate = parse_rate(rate_text)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
     me = [sys.executable, str(Path(__file__).resolve())]
-    with EmulatedCluster(2, rate, burst=burst) as cluster:
-        server = subprocess.Popen(cluster.worker_prefix(1) + me + ["--serve"], env=env)
+    with EmulatedCluster(workers, rate, burst=burst) as cluster:
+        servers = [subprocess.Popen(cluster.worker_prefix(r) + me + ["--serve"], env=env) for r in range(workers)]
+        senders = [subprocess.Popen(cluster.worker_prefix(r) + me + [
+            "--send", cluster.addresses[(r + 1) % workers], "--sizes", ",".join(map(str, sizes)),
+            "--reps", str(reps), "--idle", str(idle_s), "--bulk-s", str(bulk_s)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(workers if ring else 1)]
+        outs = []
         try:
-            out = subprocess.run(cluster.worker_prefix(0) + me + [
-                "--send", cluster.addresses[1], "--sizes", ",".join(map(str, sizes)), "--reps", str(reps),
-                "--idle", str(idle_s), "--bulk-s", str(bulk_s)], env=env, capture_output=True, text=True, timeout=900)
+            for p in senders:
+                stdout, stderr = p.communicate(timeout=900)
+                if p.returncode != 0:
+                    raise SystemExit(f"sender failed: {stderr[-2000:]}")
+                outs.append(json.loads(stdout.strip().splitlines()[-1]))
         finally:
-            server.wait(timeout=60)
-        if out.returncode != 0:
-            raise SystemExit(f"sender failed: {out.stderr[-2000:]}")
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        result["link"] = cluster.shape.describe()
-    result["rate"] = rate
-    return result
+            for p in senders + servers:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=60)
+        link = cluster.shape.describe()
+    return {"times": {n: max(o["times"][n] for o in outs) for n in outs[0]["times"]},
+            "bulk_bits_per_s": min(o["bulk_bits_per_s"] for o in outs),
+            # every sender read the whole machine's kernel CPU over (about) the same window
+            "kernel_cpu_s_per_gb": statistics.median(o["kernel_cpu_s_per_gb"] for o in outs) / len(outs),
+            "link": link, "rate": rate}
 
 
 def main() -> None:
@@ -129,6 +151,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="messages per size; the median is reported (default: 5)")
     ap.add_argument("--idle", type=float, default=0.06, help="seconds of idle before each message (default: 0.06)")
     ap.add_argument("--bulk-s", type=float, default=4.0, help="seconds of the bulk phase (default: 4)")
+    ap.add_argument("--workers", type=int, default=2, help="workers in the cluster (default: 2)")
+    ap.add_argument("--ring", action="store_true",
+                    help="every worker sends to the next at the same time (default: only worker 0 sends)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--send", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -145,12 +170,14 @@ def main() -> None:
         from lowband.perf.network import parse_bytes
         burst = int(parse_bytes(args.burst))
     heads = " | ".join(f"{n >> 10} KB" if n < 1 << 20 else f"{n >> 20} MB" for n in sizes)
-    print(f"delivery after {args.idle * 1e3:g} ms idle, measured / ideal (ideal = bytes x 8 / rate), "
-          f"median of {args.reps}; bulk payload rate / rate; kernel CPU-s per GB of payload\n")
+    who = "each sending to the next at once" if args.ring else "worker 0 sending to worker 1"
+    print(f"{args.workers} workers, {who}; "
+          f"delivery after {args.idle * 1e3:g} ms idle, measured / ideal (ideal = bytes x 8 / rate), "
+          f"median of {args.reps} (the slowest sender); bulk payload rate / rate (the slowest sender); kernel CPU-s per GB of payload\n")
     print(f"| rate | link | {heads} | bulk | CPU-s/GB |")
     print("|---|---|" + "---:|" * (len(sizes) + 2))
     for rate_text in [r.strip() for r in args.rates.split(",") if r.strip()]:
-        r = measure(rate_text, burst, sizes, args.reps, args.idle, args.bulk_s)
+        r = measure(rate_text, burst, sizes, args.reps, args.idle, args.bulk_s, args.workers, args.ring)
         cells = []
         for n in sizes:
             t = r["times"][str(n)]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from lowband import netem
+from lowband.netem import link
 from lowband.comm.wire import allreduce_bytes
 from lowband.netem import EmulatedCluster, check_burst, cleanup_stale, parse_rate
 
@@ -72,11 +73,13 @@ def test_paced_link_shape_keeps_every_message_within_a_fraction_of_a_millisecond
         shape = netem.paced(rate)
         assert shape.model == "paced" and 1 <= shape.segments <= 44
         assert shape.bucket_bytes >= shape.segments * 1514 + 86
+        # ahead of the wire by at most one packet (a frame, or PACKET_S of the rate) and the slack
+        frame_s = 1514 * 8 / rate
+        assert shape.lead_s <= max(frame_s, link.PACKET_S) + link.SLACK_S + 86 * 8 / rate, (rate, shape)
         if rate >= 20 * 10**6:
             assert shape.lead_s <= 0.75e-3, (rate, shape)
-        if rate >= 200 * 10**6:
-            assert shape.lead_s <= 0.2e-3, (rate, shape)
-    assert netem.paced(10**9).segments > netem.paced(200 * 10**6).segments == 1
+    assert netem.paced(50 * 10**6).segments == 1 and netem.paced(200 * 10**6).segments == 4
+    assert netem.paced(10**10).segments == 44
     assert EmulatedCluster(2, 10**9).shape == netem.paced(10**9)
     bursting = EmulatedCluster(2, 10**9, burst=1 << 20).shape
     assert bursting.model == "bursting" and bursting.bucket_bytes == 1 << 20 and bursting.segments is None
