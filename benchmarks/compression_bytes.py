@@ -71,11 +71,11 @@ def _worker(rank: int, world: int, port: int, bucket_mb: float, queue) -> None:
         for label, codec, options in VARIANTS:
             for kind in COLLECTIVES:
                 comm = Communicator()
-                coll = make_reducer(kind, comm, build_compressor(codec, options, True))
+                coll = make_reducer(kind, comm, build_compressor(codec, options))
                 gen = torch.Generator().manual_seed(rank)
                 for _ in range(STEPS):
                     for i, n in enumerate(sizes):
-                        coll.reduce(torch.randn(n, generator=gen) * 1e-3, f"b{i}")
+                        coll.start(torch.randn(n, generator=gen) * 1e-3, f"b{i}").wait()
                 coll.close()
                 rows.append((wname, label, kind, comm.stats.bytes_sent / STEPS, ring))
     dist.barrier()

@@ -19,8 +19,8 @@
 #             one GPU NCCL would refuse two ranks on it), a few steps each (lowband bench
 #             --device cuda); compressed, cpsgd (adaptive period) and ddp-powersgd leave their
 #             warm-ups after 3 steps, so their compressed steps run, on the pipeline's side
-#             stream for the first two; ssgd and compressed run with gradient_as_bucket_view
-#             (the average in the bucket, the gradients its views)
+#             stream for the first two; ssgd runs with gradient_as_bucket_view (the
+#             average in the bucket, the gradients its views)
 #   train-1   the same, 1 rank over NCCL
 #   train-N-nccl  (2 or more GPUs only) the same, one rank per GPU (up to 4) over NCCL
 #   train-2-extras  2 ranks over gloo: --micro-batches 2 (gradient accumulation) for ssgd,
@@ -116,7 +116,7 @@ train() {   # train WORKERS BACKEND: every algorithm, a few steps, on the GPU (s
     export LOWBAND_BACKEND=$2
     algorithms=$("$PY" -c "
 from lowband.algorithms import ALGORITHMS
-short = {'compressed': ':warmup_steps=3:gradient_as_bucket_view=true',
+short = {'compressed': ':warmup_steps=3',
          'cpsgd': ':warmup_steps=3:correction_period=3:adapt_period=true',
          'ddp-powersgd': ':start_powerSGD_iter=3', 'ssgd': ':gradient_as_bucket_view=true'}
 print(' '.join(name + short.get(name, '') for name in sorted(ALGORITHMS)))") || return 1

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     failed = 0
     for codec_name in [c.strip() for c in args.codecs.split(",") if c.strip()]:
         try:
-            codec = build_compressor(codec_name, OPTIONS.get(codec_name, {}), error_feedback=False)
+            codec = build_compressor(codec_name, OPTIONS.get(codec_name, {}))
             def roundtrip():
                 payload, ctx = codec.compress(x, "bench")
                 return codec.decompress(payload, ctx)

@@ -124,11 +124,10 @@ def join_probe_group() -> Optional[int]:
     import torch
     import torch.distributed as dist
     from lowband.runtime import comm_threads, memory
-    from lowband.app.config import TrainConfig
     memory.configure(memory.DEFAULT_MODE)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    return comm_threads.shorten_settled(TrainConfig().comm_slice_us)
+    return comm_threads.shorten_settled(comm_threads.WORKER_SLICE_US)
 
 
 def probe_worker(size: int, iters: int) -> None:

@@ -8,10 +8,10 @@ Fashion-MNIST is read from --data-dir (Debian's dataset-fashion-mnist package pu
 /usr/share/datasets/fashion-mnist); --synthetic trains on generated images of the same shape.
 
 Mixed precision: on a GPU the forward runs under fp16 autocast with a torch.amp.GradScaler,
-handed to engine.step(scaler=...) where a DDP script calls scaler.step(optimizer), for the
-algorithms whose step takes one (engine.bound.scales: ssgd, noop, ddp, ddp-fp16); the others keep
-their gradients across steps in units the scale would change, so they run bf16 autocast,
-which needs no scaler. On the CPU there is no GradScaler and no autocast: training runs in fp32.
+handed to lowband.distribute(scaler=...); engine.step() then does what a DDP script's
+scaler.step(optimizer) does, and a step with inf/NaN is skipped on every rank alike.
+ddp-powersgd refuses a scaler (its hook keeps error feedback across steps), so it runs bf16
+autocast, which needs none. On the CPU there is no GradScaler and no autocast: fp32.
 """
 import argparse
 
@@ -62,8 +62,9 @@ def train(args, device: torch.device) -> None:
     # with a GradScaler the scaler decides about non-finite steps (skipped on every rank alike),
     # so lowband's own check is off there; on the CPU it stays at its default ("raise")
     options = dict(o.split("=", 1) for o in args.option)
-    engine = lowband.distribute(model, optimizer, args.algorithm, nonfinite="off" if cuda else "raise", **options)
-    scaler = torch.amp.GradScaler("cuda", enabled=cuda and engine.bound.scales)
+    scaler = torch.amp.GradScaler("cuda", enabled=cuda and args.algorithm != "ddp-powersgd")
+    engine = lowband.distribute(model, optimizer, args.algorithm, nonfinite="off" if cuda else "raise",
+                                scaler=scaler if scaler.is_enabled() else None, **options)
     amp_dtype = torch.float16 if scaler.is_enabled() else torch.bfloat16
     if rank == 0:
         print(f"{args.algorithm} on {world} ranks, {device.type}, GradScaler {'on' if scaler.is_enabled() else 'off'}",
@@ -76,7 +77,7 @@ def train(args, device: torch.device) -> None:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=cuda):
             loss = F.cross_entropy(engine.module(x), y)
         scaler.scale(loss).backward()        # a disabled scaler returns the loss as it is
-        engine.step(scaler=scaler)           # where DDP calls scaler.step(optimizer); a disabled one is ignored
+        engine.step()                        # where DDP calls scaler.step(optimizer)
         scaler.update()
         scheduler.step()
 

@@ -102,11 +102,8 @@ CASES = [
     ("ssgd-skip", "ssgd", {"nonfinite": "skip"}, "small"),            # the guard defers the hooks
     ("compressed", "compressed", SHORT_SCHEDULES["compressed"], "small"),
     ("ssgd-views-zeros", "ssgd", {"gradient_as_bucket_view": True, "zeroing": "zeros"}, "small"),
-    ("compressed-views-zeros", "compressed",
-     {**SHORT_SCHEDULES["compressed"], "gradient_as_bucket_view": True, "zeroing": "zeros"}, "small"),
     ("compressed-zeros", "compressed", {**SHORT_SCHEDULES["compressed"], "zeroing": "zeros"}, "small"),
-    ("compressed-two-stage-copied", "compressed",
-     {**SHORT_SCHEDULES["compressed"], "encode_from_gradients": False, "collective": "two-stage"}, "small"),
+    ("compressed-two-stage", "compressed", {**SHORT_SCHEDULES["compressed"], "collective": "two-stage"}, "small"),
     ("cpsgd", "cpsgd", SHORT_SCHEDULES["cpsgd"], "small"),
     ("lazy", "lazy", {"lazy_layers": 1}, "small"),
     ("localsgd", "localsgd", SHORT_SCHEDULES["localsgd"], "small"),

@@ -498,7 +498,7 @@ def test_a_plans_skip_tables_are_cached_and_equal_to_skip_ranges(monkeypatch):
     from lowband.codecs import build_compressor
     segments = [("a", 1000), ("b", 37), ("c", 4097)]
     for kind in ("allgather", "two-stage"):
-        plan = cc.make_plan(kind, 3, 1, segments, build_compressor("2bit", {}, error_feedback=False))
+        plan = cc.make_plan(kind, 3, 1, segments, build_compressor("2bit", {}))
         enc = plan.worker.enc
         cases = [(0, 0, None), (0, 0, np.array([False, True, False])), (100, 900, None),
                  (100, 900, np.array([True, False, False])), (0, 5134, None)]
@@ -510,7 +510,7 @@ def test_a_plans_skip_tables_are_cached_and_equal_to_skip_ranges(monkeypatch):
         again = [plan.worker_skip(lo, hi, None if absent is None else absent.copy()) for lo, hi, absent in cases]
         assert all(a is b for a, b in zip(first, again))
     monkeypatch.setattr(cc, "SKIP_CACHE", 3)
-    plan = cc.make_plan("allgather", 3, 1, segments, build_compressor("2bit", {}, error_feedback=False))
+    plan = cc.make_plan("allgather", 3, 1, segments, build_compressor("2bit", {}))
     for lo in range(10):
         plan.worker_skip(lo, lo + 5, None)
     assert len(plan._skips) <= 3

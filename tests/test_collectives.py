@@ -91,23 +91,22 @@ def _reference(kind: str, world: int, codec_name: str, options: dict, segments, 
 def _identity(rank: int, world: int):
     out = []
     for kind in ("allgather", "two-stage"):
-        red = make_reducer(kind, Communicator(), make_compressor("none"))
+        red = make_reducer(kind, Communicator(), make_compressor("none"), error_feedback=False)
         for n in SIZES:
             x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + n))
             ref = x.clone()
             dist.all_reduce(ref)
             ref /= world
-            out.append((kind, n, float((red.reduce(x, f"t{n}") - ref).abs().max())))
+            out.append((kind, n, float((red.start(x, f"t{n}").wait() - ref).abs().max())))
         red.close()
     return out
 
 
 def _matches_reference(rank: int, world: int, kind: str, codec: str, options: dict):
-    from lowband.codecs import ErrorFeedback
     comm = Communicator()
-    red = make_reducer(kind, comm, ErrorFeedback(make_compressor(codec, **options)))
+    red = make_reducer(kind, comm, make_compressor(codec, **options))
     total = sum(n for _, n in SEGMENTS)
-    got = [red.reduce(_inputs(rank, step, total), "b", SEGMENTS) for step in range(STEPS)]
+    got = [red.start(_inputs(rank, step, total), "b", SEGMENTS).wait() for step in range(STEPS)]
     ref = _reference(kind, world, codec, options, SEGMENTS, STEPS)
     state = red.state_dict()
     red.close()
@@ -118,10 +117,9 @@ def _matches_reference(rank: int, world: int, kind: str, codec: str, options: di
 def _present_and_exact(rank: int, world: int, kind: str):
     """present flags travel with the payload; absent segments keep their residual; exact ranges
     are the fp32 average and leave their residual alone."""
-    from lowband.codecs import ErrorFeedback
-    red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor("2bit", threshold=0.3)))
+    red = make_reducer(kind, Communicator(), make_compressor("2bit", threshold=0.3))
     segs = [("a", 40), ("b", 33), ("c", 50)]
-    red.reduce(_inputs(rank, 0, 123), "b", segs)
+    red.start(_inputs(rank, 0, 123), "b", segs).wait()
     e0 = red.state_dict()["worker"]
     x = _inputs(rank, 1, 123)
     x[40:73] *= float(rank == 0)
@@ -162,9 +160,8 @@ def _exact_segments(rank: int, world: int, kind: str):
     segments: the codes, residuals and exact share agree bit for bit, the exact segments are
     the rank-order fp32 mean, and the whole bucket is one collective per step where the plan
     carries exact values inline."""
-    from lowband.codecs import ErrorFeedback
     def codec():
-        return ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
+        return make_compressor("2bit", relative=1.0, scale_block=64)
     comm_a, comm_b = Communicator(), Communicator()
     mixed, plain = make_reducer(kind, comm_a, codec()), make_reducer(kind, comm_b, codec())
     coded = [s for s, f in zip(EXACT_SEGMENTS, FIXED) if not f]
@@ -212,8 +209,7 @@ def _nonfinite_marks(rank: int, world: int, kind: str, codec: str, options: dict
     the scale proof (scale-aware 2-bit, 1-bit), the sum (MXNet 2-bit), the exact share, fixed
     and absent segments, and overflowing finite sums."""
     import lowband.comm.plans as collective
-    from lowband.codecs import ErrorFeedback
-    red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(codec, **options)))
+    red = make_reducer(kind, Communicator(), make_compressor(codec, **options))
     n = sum(k for _, k in NONFINITE_SEGMENTS)
     got, want, exact_tests = [], [], []
     exact_test = collective.nonfinite_segments
@@ -257,9 +253,8 @@ def _in_place(rank: int, world: int, kind: str):
     and returns it, with the same bits (outputs, flags, residuals) as a new output; with an
     exact share (inline or in an all-reduce beside the message), exact segments and a segment
     absent on some ranks."""
-    from lowband.codecs import ErrorFeedback
     def codec():
-        return ErrorFeedback(make_compressor("2bit", relative=1.0, scale_block=64))
+        return make_compressor("2bit", relative=1.0, scale_block=64)
     fresh, in_place = make_reducer(kind, Communicator(), codec()), make_reducer(kind, Communicator(), codec())
     n = sum(k for _, k in EXACT_SEGMENTS)
     checks = []
@@ -291,9 +286,8 @@ def _sources(rank: int, world: int, kind: str, codec_name: str, options: dict):
     bit for bit; with ``in_place`` the average of those segments is written into their tensors
     and the rest into the bucket. Covers an exact segment given a source (copied in), a segment
     absent on some ranks, an exact share (step 2: every source copied in) and a NaN (step 3)."""
-    from lowband.codecs import ErrorFeedback
     def codec():
-        return ErrorFeedback(make_compressor(codec_name, **options))
+        return make_compressor(codec_name, **options)
     flat, by_ref, by_ref_in_place = (make_reducer(kind, Communicator(), codec()) for _ in range(3))
     n = sum(k for _, k in EXACT_SEGMENTS)
     offsets = np.concatenate([[0], np.cumsum([k for _, k in EXACT_SEGMENTS])[:-1]]).tolist()
@@ -352,10 +346,9 @@ def _same_marks(a, b) -> bool:
 
 
 def _bytes(rank: int, world: int, codec: str, options: dict, n: int):
-    from lowband.codecs import ErrorFeedback
     comm = Communicator()
-    red = make_reducer("two-stage", comm, ErrorFeedback(make_compressor(codec, **options)))
-    red.reduce(torch.randn(n), "g")
+    red = make_reducer("two-stage", comm, make_compressor(codec, **options))
+    red.start(torch.randn(n), "g").wait()
     red.close()
     return comm.stats.bytes_sent
 

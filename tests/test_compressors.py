@@ -492,6 +492,15 @@ def test_error_feedback_needs_a_compressor():
         ErrorFeedback(ErrorFeedback(build("2bit")))
 
 
+def test_the_compressed_reducer_takes_the_codec_itself():
+    """The reducer keeps one residual per bucket itself (``error_feedback=True``); a per-tensor
+    ErrorFeedback in the codec's place would keep a second one, so it is refused (before the
+    communicator is used)."""
+    from lowband.comm.reducer import CompressedReducer
+    with pytest.raises(ValueError, match="takes the codec itself"):
+        CompressedReducer("allgather", None, ErrorFeedback(build("2bit")))  # type: ignore[arg-type]
+
+
 def test_a_registered_codec_is_built_by_name_and_accepted_by_the_algorithms():
     import lowband
     from lowband.codecs import FP16, register
@@ -520,4 +529,4 @@ def test_the_bucket_kernel_is_an_attribute_of_the_codec():
     assert make_compressor("2bit", relative=1.0).kernel_kind == _native.KIND_TWOBIT_REL
     assert make_compressor("1bit").kernel_kind == _native.KIND_ONEBIT
     assert make_compressor("fp16").kernel_kind is None
-    assert ErrorFeedback(make_compressor("1bit")).kernel_kind is None      # the bucket codec unwraps it
+    assert ErrorFeedback(make_compressor("1bit")).kernel_kind is None      # per tensor: no bucket kernel

@@ -54,7 +54,7 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     names = [n for n, _ in init.named_parameters()]
     shapes = [p.shape for p in init.parameters()]
     sizes = [p.numel() for p in init.parameters()]
-    codecs = [ErrorFeedback(build_compressor(cfg.compressor, cfg.compressor_options, False)) for _ in range(world)]
+    codecs = [ErrorFeedback(build_compressor(cfg.compressor, cfg.compressor_options)) for _ in range(world)]
     anchor = outer = None
     base: list[Optional[torch.Tensor]] = [None] * world
     pending = None
@@ -255,7 +255,7 @@ def _invariants(rank: int, world: int, opts: dict, steps: int):
     final = params_of(model)
     numel = sum(p.numel() for p in model.parameters())
     vectors = sum(p.numel() for p in model.parameters() if p.dim() <= 1)
-    codec = build_compressor("2bit", {}, False)
+    codec = build_compressor("2bit", {})
     payload = sum(codec.payload_nbytes(p.numel()) for p in model.parameters() if p.dim() > 1)
     summary = engine.bound.summary()
     engine.close()

@@ -14,7 +14,7 @@ import torch
 
 from lowband.app import checkpoint
 from lowband.comm.communicator import Communicator
-from lowband.codecs import COMPRESSORS, ErrorFeedback, build_compressor, make_compressor
+from lowband.codecs import COMPRESSORS, build_compressor, make_compressor
 from lowband.runtime.device import to_device
 from lowband.comm.pipeline import Pipeline
 from lowband.comm.reducer import make_reducer
@@ -54,7 +54,7 @@ def test_deterministic_codecs_match_cpu_bit_for_bit(name, options):
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_every_codec_keeps_device_and_dtype(name):
     x = torch.randn(4099, device="cuda")
-    codec = build_compressor(name, OPTIONS.get(name, {}), error_feedback=False)
+    codec = build_compressor(name, OPTIONS.get(name, {}))
     payload, ctx = codec.compress(x, "t")
     y = codec.decompress(payload, ctx)
     assert y.device == x.device and y.dtype == x.dtype and y.shape == x.shape
@@ -74,11 +74,11 @@ def _reduce_on_cuda(rank: int, world: int):
     torch.cuda.set_device(dev)
     found = []
     for kind in ("allgather", "two-stage"):
-        red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+        red = make_reducer(kind, Communicator(), make_compressor("2bit", threshold=0.5))
         total = sum(n for _, n in SEGMENTS)
         x = torch.randn(total, generator=torch.Generator().manual_seed(rank)).to(dev)
         for _ in range(2):
-            y = red.reduce(x, "b", SEGMENTS)
+            y = red.start(x, "b", SEGMENTS).wait()
             found.append((kind, str(y.device), str(y.dtype)))
         found.append((kind + " residuals", sorted({str(v.device) for v in red.state_dict()["worker"].values()}), ""))
         red.close()
@@ -120,12 +120,12 @@ def _reduce_bits(rank: int, world: int, device: str, name: str, options: dict):
     total = sum(n for _, n in segments)
     found = []
     for kind in ("allgather", "two-stage"):
-        red = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(name, **options)))
-        # the same steps averaged into their input (in_place, gradient_as_bucket_view's path)
-        into = make_reducer(kind, Communicator(), ErrorFeedback(make_compressor(name, **options)))
+        red = make_reducer(kind, Communicator(), make_compressor(name, **options))
+        # the same steps averaged into their input (the reducer's in_place)
+        into = make_reducer(kind, Communicator(), make_compressor(name, **options))
         for step in range(3):
             x = torch.randn(total, generator=torch.Generator().manual_seed(100 * rank + step)).to(dev)
-            found.append(red.reduce(x, "b", segments).cpu())
+            found.append(red.start(x, "b", segments).wait().cpu())
             buffer = x.clone()
             same = into.start(buffer, "b", segments, copy=False, in_place=True).wait().data_ptr() == buffer.data_ptr()
             found.extend([torch.tensor([float(same)]), buffer.cpu()])
@@ -181,14 +181,14 @@ def _stream_order(rank: int, world: int):
     comm.stats.collect_gpu_waits(block=True)
     found["waits timed on the GPU"] = comm.stats.comm_wait_s > 0
     # a reducer's residuals saved to the CPU reload onto the GPU and continue the same
-    red = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+    red = make_reducer("allgather", comm, make_compressor("2bit", threshold=0.5))
     g = torch.randn(sum(n for _, n in SEGMENTS), generator=torch.Generator().manual_seed(1)).to(dev)
-    red.reduce(g, "b", SEGMENTS)
+    red.start(g, "b", SEGMENTS).wait()
     saved = to_device(red.state_dict(), torch.device("cpu"))
-    again = make_reducer("allgather", comm, ErrorFeedback(make_compressor("2bit", threshold=0.5)))
+    again = make_reducer("allgather", comm, make_compressor("2bit", threshold=0.5))
     again.load_state_dict(saved)
-    found["reloaded residuals continue bit for bit"] = torch.equal(red.reduce(g, "b", SEGMENTS),
-                                                                   again.reduce(g, "b", SEGMENTS))
+    found["reloaded residuals continue bit for bit"] = torch.equal(red.start(g, "b", SEGMENTS).wait(),
+                                                                   again.start(g, "b", SEGMENTS).wait())
     found["residuals on the GPU"] = {v.device.type for v in again.state_dict()["worker"].values()} == {"cuda"}
     for p in (red, again, pipeline):
         p.close()

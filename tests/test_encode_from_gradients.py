@@ -1,10 +1,14 @@
-"""``compressed``'s ``encode_from_gradients`` (on by default): past the warm-up, the gradients of
-coded parameters are not copied into the bucket; the native encoder reads each one where
-autograd left it (``BucketSet.by_reference``, the reducer's ``sources``). The trajectory must be
-the one of copied gradients, bit for bit, whatever the bucket layout, the codec, the collective,
-how the loop zeroes gradients and whether they are views of the bucket; a NaN in such a gradient
-is still caught and named; and the path must really be taken (counted)."""
+"""``compressed`` on the CPU with native kernels: past the warm-up, the gradients of coded
+parameters are not copied into the bucket; the native encoder reads each one where autograd
+left it (``BucketSet.by_reference``, the reducer's ``sources``). The trajectory must be the one
+of copied gradients (the path taken where the encoder cannot read them there: a reducer whose
+``reads_sources`` is False), bit for bit, whatever the bucket layout, the codec, the collective
+and how the loop zeroes gradients; a NaN in such a gradient is still caught and named; and the
+path must really be taken (counted)."""
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from torch import nn
 
 import lowband
 from lowband import _native as kernels
+from lowband.comm.reducer import CompressedReducer
 
 from .distributed import run_distributed
 from .training import (ZEROING, PartlyUsed, SmallNet, assert_same_params_and_grads, batches, make_optimizer,
@@ -48,8 +53,6 @@ CASES = {
     "vectors coded": (SmallNet, {"compress_vectors": True}),
     "1bit two-stage": (SmallNet, {"compressor": "1bit", "collective": "two-stage", "bucket_mb": 0.01}),
     "mxnet 2bit": (SmallNet, {"compressor": "2bit", "compressor_options": {"threshold": 0.01}}),
-    "views": (SmallNet, {"gradient_as_bucket_view": True}),
-    "views, several": (SmallNet, {"gradient_as_bucket_view": True, "bucket_mb": 0.01}),
 }
 
 
@@ -57,8 +60,10 @@ def _train(rank: int, world: int, net, options: dict, zeroing: str, by_reference
     torch.manual_seed(0)
     model = net(rank) if net is PartlyUsed else net()
     opt = make_optimizer("sgd", model)
-    engine = lowband.distribute(model, opt, "compressed", warmup_steps=WARMUP, encode_from_gradients=by_reference,
-                                **options)
+    # the copied path: a reducer that cannot read sources (the algorithm asks once, when bound)
+    copied = mock.patch.object(CompressedReducer, "reads_sources", return_value=False)
+    with contextlib.nullcontext() if by_reference else copied:
+        engine = lowband.distribute(model, opt, "compressed", warmup_steps=WARMUP, **options)
     reducer = engine.bound.reducer
     start, read = reducer.start, []
 

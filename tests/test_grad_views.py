@@ -1,6 +1,6 @@
-"""``gradient_as_bucket_view`` (a knob of ``compressed`` and ``ssgd``, DDP's, off by default): the
-average comes back in the bucket (``compressed``: the reducer's ``in_place``) and the gradients
-become views of it (``BucketSet.write_gradients(as_views=True)``): the same trajectory, bit for
+"""``ssgd``'s ``gradient_as_bucket_view`` (DDP's knob, off by default): the average comes back in
+the bucket and the gradients become views of it (``BucketSet.write_gradients(as_views=True)``):
+the same trajectory, bit for
 bit, as with the knob off (a new output, copied gradients), whether the loop zeroes gradients
 to None, zeroes them in place or never zeroes them (then each backward accumulates into the
 views, as it would into separate tensors); a parameter that no rank produced a gradient for
@@ -24,11 +24,8 @@ class WithUnused(SmallNet):
         self.unused = torch.nn.Linear(3, 3)
 
 
-STEPS = 12                       # past compressed's warm-up of 3
-ALGORITHMS = ("compressed", "ssgd")
-#: compressed's coded gradients become views only where they are copied into the bucket (with
-#: encode_from_gradients they stay their own tensors: tests/test_encode_from_gradients.py)
-WARMUP = {"compressed": {"warmup_steps": 3, "encode_from_gradients": False}}
+STEPS = 12
+ALGORITHMS = ("ssgd",)
 LAYOUTS = {"one": (SmallNet, {}), "several": (SmallNet, {"bucket_mb": 0.01}), "partly used": (PartlyUsed, {}),
            "unused": (WithUnused, {})}
 
@@ -37,7 +34,7 @@ def _train(rank: int, world: int, algorithm: str, net, options: dict, zeroing: s
     torch.manual_seed(0)
     model = net(rank) if net is PartlyUsed else net()
     opt = make_optimizer("sgd", model)
-    options = {**options, **WARMUP.get(algorithm, {}), "gradient_as_bucket_view": views}
+    options = {**options, "gradient_as_bucket_view": views}
     engine = lowband.distribute(model, opt, algorithm, **options)
     aliased = []
 
@@ -76,9 +73,7 @@ def test_gradients_as_bucket_views_train_to_the_same_bits_as_copies(runs, algori
         params, grads, aliased = out[algorithm, layout, zeroing, True]
         ref_params, ref_grads, ref_aliased = out[algorithm, layout, zeroing, False]
         assert_same_params_and_grads((params, grads), (ref_params, ref_grads), rank)
-        # compressed's warm-up average is a buffer of its own (copied); the other steps alias
-        warmup = WARMUP.get(algorithm, {}).get("warmup_steps", 0)
-        assert not any(any(a) for a in aliased[:warmup]) and not any(any(a) for a in ref_aliased)
+        assert not any(any(a) for a in ref_aliased)
         assert all(a == [g is not None for g in grads.values()] for a in aliased[-1:]), aliased[-1]
         assert any(aliased[-1])
 

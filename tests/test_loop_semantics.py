@@ -562,7 +562,7 @@ def test_every_torch_optimizer_trains_with_every_lowband_algorithm():
         assert max_rel_err(params, start) > 0.0, key
 
 
-# -- 5. GradScaler (the algorithms whose .grad holds the average before the optimizer step) ---------
+# -- 5. GradScaler through engine.step(scaler=...), as a DDP script (every algorithm: tests/test_amp.py) ----
 
 def _scaled_loop(rank: int, world: int, algorithm: Optional[str], steps: int = STEPS, inf_at: int = 3) -> dict:
     """A DDP + GradScaler loop (``algorithm=None``: torch's DDP itself) with an inf in rank
@@ -622,6 +622,7 @@ def test_gradscaler_skips_a_step_with_inf_on_every_rank_as_ddp_does():
         # the inf step backed off (scale halved) and was skipped: the run without it differs
         assert r["torch"]["scales"][3] == r["torch"]["scales"][2] / 2
         assert max_rel_err(r["no_inf"]["params"], r["ssgd"]["params"]) > 1e-3
-        assert r["refused"]["compressed"].startswith("compressed does not take a GradScaler")
+        # compressed takes the scaler through distribute(), before backward (tests/test_amp.py)
+        assert r["refused"]["compressed"].startswith("compressed takes a GradScaler through lowband.distribute(")
         assert r["refused"]["ssgd"].startswith("engine.step(scaler=...) needs lowband.distribute(..., nonfinite='off')")
     assert max_rel_err(results[0]["ssgd"]["params"], results[1]["ssgd"]["params"]) == 0.0

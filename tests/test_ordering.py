@@ -91,7 +91,7 @@ def test_every_collective_of_a_rank_goes_through_one_ordered_queue():
         if name in PIPELINED:
             group, thread = mine["pipeline"]
             # compressed's last bucket (cpsgd's in its warm-up) may run on the training thread
-            # when the queue is idle (inline_last_bucket), still on the pipeline's group and in
+            # when the queue is idle (Pipeline.submit's inline), still on the pipeline's group and in
             # its order
             expected = {(group, thread), (group, "MainThread")}
             assert issuers == expected, (name, issuers)

@@ -114,6 +114,14 @@ LAYOUTS = {"one": (SmallNet, {"warmup_steps": 3}),
 INLINE_STEPS = {"compressed": STEPS, "cpsgd": 3}
 
 
+def _on_the_thread(reducer) -> None:
+    """Submit every job of ``reducer`` to the pipeline's thread (``inline=False``): the reference
+    for the last bucket run on the training thread."""
+    for method in ("start", "start_full_precision"):
+        submit = getattr(reducer, method)
+        setattr(reducer, method, lambda *args, _submit=submit, **kw: _submit(*args, **{**kw, "inline": False}))
+
+
 def _both_ways(rank: int, world: int):
     out = {}
     for algorithm in INLINE_STEPS:
@@ -122,7 +130,9 @@ def _both_ways(rank: int, world: int):
                 torch.manual_seed(0)
                 model = net(rank) if net is PartlyUsed else net()
                 opt = make_optimizer("sgd", model)
-                engine = lowband.distribute(model, opt, algorithm, **options, inline_last_bucket=inline)
+                engine = lowband.distribute(model, opt, algorithm, **options)
+                if not inline:
+                    _on_the_thread(engine.bound.reducer)
                 params = train(model, opt, batches(rank, world), engine.step, STEPS, forward=engine.module)
                 out[algorithm, layout, inline] = (params, engine.bound.reducer.pipeline.inline_jobs,
                                                   len(engine.bound.buckets.buckets))

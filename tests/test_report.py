@@ -1,8 +1,6 @@
 """Bench report: derived ratios, and regenerating one section of a document in place."""
 from __future__ import annotations
 
-import pytest
-
 from lowband.app.report import derive, markdown_table, update_doc
 
 
@@ -89,12 +87,9 @@ def test_bench_says_when_a_run_never_left_its_warm_up(tmp_path, monkeypatch, cap
     assert "note: noop" not in err
 
 
-@pytest.mark.parametrize("order", ["fixed", "rotate"])
-def test_bench_rounds_run_the_algorithms_in_the_chosen_order(tmp_path, monkeypatch, capsys, order):
-    """``--order rotate``: round r starts at the r-th algorithm, so each algorithm runs once in
-    every position over as many rounds; ``fixed`` (the default) keeps the listed order. Each
-    round still has every configuration once, and the per-round ratios still pair each run with
-    its own round's noop."""
+def test_bench_rounds_run_the_algorithms_in_the_listed_order(tmp_path, monkeypatch, capsys):
+    """``--repeat``: round by round, each round every configuration once in the listed order,
+    and the per-round ratios pair each run with its own round's noop."""
     from lowband.app import cli
     from lowband.app.bench import RunResult
     plain = [{"step": t, "step_s": 0.02, "compute_s": 0.01, "comm_wait_s": 0.01, "cpu_s": 0.01,
@@ -110,22 +105,13 @@ def test_bench_rounds_run_the_algorithms_in_the_chosen_order(tmp_path, monkeypat
     monkeypatch.setattr("lowband.app.bench.run_on_link", fake_run)
     monkeypatch.setattr("lowband.app.report.plot", lambda rows, out: [])
     assert cli.main(["bench", "--algorithms", "noop,ssgd,localsgd", "--max-steps", "20", "--repeat", "4",
-                     "--order", order, "--out", str(tmp_path)]) == 0
+                     "--out", str(tmp_path)]) == 0
     listed = ["noop", "ssgd", "localsgd"]
     rounds = [[a for r, a in ran if r == f"r{k}"] for k in range(1, 5)]
     assert [r for r, _ in ran] == [f"r{k}" for k in range(1, 5) for _ in listed]      # round by round
-    if order == "fixed":
-        assert rounds == [listed] * 4
-    else:
-        assert rounds == [listed, listed[1:] + listed[:1], listed[2:] + listed[:2], listed]
+    assert rounds == [listed] * 4
     assert "| none | 2 | ssgd | 20.0, 20.0, 20.0, 20.0 | 1.00, 1.00, 1.00, 1.00 |" in capsys.readouterr().out
 
-
-def test_round_order_of_no_algorithms_and_a_bad_order():
-    from lowband.app.bench import round_order
-    assert round_order(0, 3, "rotate") == [] and round_order(2, 5, "rotate") == [1, 0]
-    with pytest.raises(ValueError, match="--order must be one of: fixed, rotate, got 'random'"):
-        round_order(2, 0, "random")
 
 
 def _round(algorithm, repeat, median_ms, mean_ms=None, bandwidth="none"):

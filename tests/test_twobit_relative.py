@@ -71,7 +71,7 @@ def test_exactly_one_of_threshold_or_relative():
 
 
 def test_algorithm_default_and_explicit_mxnet_mode():
-    default = build_compressor("2bit", {}, error_feedback=False)
+    default = build_compressor("2bit", {})
     assert repr(default) == repr(TwoBitQuantizer(**DEFAULT_TWO_BIT_OPTIONS))
-    exact = build_compressor("2bit", {"threshold": 0.05}, error_feedback=False)
+    exact = build_compressor("2bit", {"threshold": 0.05})
     assert exact.relative is None and exact.threshold == pytest.approx(0.05)

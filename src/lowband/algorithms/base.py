@@ -80,19 +80,30 @@ class EngineContext:
     comm: Communicator
     #: set when the engine's finiteness policy is "raise", the only one an algorithm may carry
     #: (:meth:`BoundAlgorithm.carries_finiteness`; None: do not check, the guard does or no one
-    #: does). In a synchronous step that carries it, call it with the per-rank verdict after the
-    #: step's communication and before the optimizer; it raises
-    #: :class:`lowband.NonFiniteGradientError` on every rank for a bad step
-    decide_finiteness: Optional[Callable[[Sequence[int]], None]] = None
+    #: does). A step that carries it reports its verdict here before it applies anything: per
+    #: rank, the index of its first parameter with a non-finite gradient (-1: none; the same on
+    #: every rank). Called with that list (after the step's communication, before the
+    #: optimizer) it raises :class:`lowband.NonFiniteGradientError` on every rank for a bad
+    #: step; called with a callable that returns it, the decision waits until the next
+    #: ``step()`` (or ``synchronize``, ``state_dict``, ``global_model``), for a step whose
+    #: average reaches the global model only then (a pipeline)
+    decide_finiteness: Optional[Callable[[Union[Sequence[int], Callable[[], Sequence[int]]]], None]] = None
     #: the clipping requested for the coming step (:meth:`lowband.Engine.clip_grad_norm_`;
     #: None: none). Set by the engine before ``step()`` and cleared after it; the algorithm
     #: applies it with :meth:`clip_gradients`
     clip: Optional[GradientClip] = None
     #: the total norm that the last applied clipping measured (before clipping)
     grad_norm: Optional[torch.Tensor] = None
-    #: the ``torch.amp.GradScaler`` of the coming step (``engine.step(scaler=...)``; None: none),
-    #: for algorithms that take one (:attr:`BoundAlgorithm.scales`): :meth:`optimizer_step`
+    #: the ``torch.amp.GradScaler`` of the coming step, for algorithms that take it in their
+    #: own step (:attr:`BoundAlgorithm.scales`; None: none, or the engine unscaled the
+    #: gradients already): :meth:`optimizer_step`
     scaler: Optional[Any] = None
+    #: the engine's step counter, the algorithms' clock: ``Engine.step()`` calls completed so
+    #: far, steps skipped on every rank for a non-finite gradient included. During a step (its
+    #: forward, backward and ``step()``) it is that step's 0-based index. The engine advances
+    #: it once per ``step()``, carries it across :meth:`lowband.Engine.rebuild` and saves and
+    #: restores it with its state, so a resumed run continues the same clock
+    steps: int = 0
 
     def optimizer_step(self) -> None:
         """The optimizer step of ``.grad`` as it is now, for an algorithm whose ``.grad`` then
@@ -118,6 +129,18 @@ class EngineContext:
             norm = clip.apply(grads)
             if record:
                 self.grad_norm = norm
+
+    @property
+    def exposed_wait_s(self) -> float:
+        """Exposed communication wait charged on this rank so far (seconds): the engine's
+        waits and those of the handles the algorithm waited for (``comm_wait_s`` of the
+        engine's statistics). The wait within an interval is the difference of two reads."""
+        return self.comm.stats.comm_wait_s
+
+    def charge_wait(self, seconds: float) -> None:
+        """Charge ``seconds`` of exposed wait that lowband's handles did not time (a
+        collective a peer library issued and waited for itself) to the engine's statistics."""
+        self.comm.stats.comm_wait_s += seconds
 
     @property
     def rank(self) -> int:
@@ -163,8 +186,15 @@ class BoundAlgorithm(ABC):
     #: whether :meth:`lowband.Engine.rebuild` may close this binding and bind the algorithm
     #: anew to another parameter set (False: state outside lowband is tied to the old one)
     rebuildable: ClassVar[bool] = True
-    #: whether ``step()`` takes a GradScaler (``ctx.scaler``, through ``ctx.optimizer_step``)
+    #: whether ``step()`` takes the GradScaler itself (``ctx.scaler``, through
+    #: ``ctx.optimizer_step``): its ``.grad`` then holds the same average of the *scaled*
+    #: gradients on every rank (or, with no communication, the rank's own), which the scaler
+    #: unscales and steps. False: the engine unscales every gradient before the algorithm takes
+    #: it and decides about a non-finite step with every rank (:mod:`lowband.engine.guard`), so
+    #: the algorithm only sees unscaled gradients and keeps nothing in units of the scale
     scales: ClassVar[bool] = False
+    #: why the algorithm cannot train with a GradScaler at all (one line; None: it can)
+    refuses_scaler: ClassVar[Optional[str]] = None
 
     def __init__(self, cfg: Algorithm, ctx: EngineContext) -> None:
         self.cfg = cfg
@@ -212,20 +242,13 @@ class BoundAlgorithm(ABC):
         """True if this iteration's gradients are checked for NaN/Inf by the algorithm itself,
         inside its own messages, so that the engine's guard needs neither its per-gradient test
         nor its exchange (:mod:`lowband.engine.guard`). Only asked when the guard's policy is "raise";
-        then every gradient of the iteration, captured ones included, must be checked. With
-        :meth:`gradients_applied_late` the decision is deferred and :meth:`finiteness_verdict`
-        answers for it later; without, ``step()`` itself must call ``ctx.decide_finiteness``
-        with the verdict before it applies anything (the engine raises if it does not).
-        Asked during backward (in the gradient hook) and before ``step()``; it must give the
-        same answer throughout one iteration."""
+        then every gradient of the iteration, captured ones included, must be checked, and
+        ``step()`` must report the verdict through ``ctx.decide_finiteness`` before it applies
+        anything (the engine raises if it does not): the verdict itself, or, where this
+        iteration's gradients reach the global model only at a later ``step()``, a callable
+        that returns it then. Asked during backward (in the gradient hook) and before
+        ``step()``; it must give the same answer throughout one iteration."""
         return False
-
-    def finiteness_verdict(self) -> "list[int]":
-        """For the last (deferred) iteration that :meth:`carries_finiteness`: per rank, the
-        index (in ``ctx.params``) of its first parameter whose gradient was not finite, -1 for
-        none; identical on every rank (it may wait for that iteration's communication). Called
-        before the next ``step()``, or before ``drain``, ``state_dict``, ``global_parameters``."""
-        raise NotImplementedError(f"{self.name} does not carry the finiteness check")
 
     def global_parameters(self) -> "Optional[list[torch.Tensor]]":
         """The global model's parameter values, aligned with ``ctx.params``, for evaluating or

@@ -22,7 +22,7 @@ from .buckets import Bucket, BucketSet
 
 
 def check_compression_knobs(owner: str, compressor: str, options: dict[str, Any], collective: str,
-                            bucket_mb: float, error_feedback: bool) -> None:
+                            bucket_mb: float) -> None:
     """The knobs every compressing algorithm shares; ValueError naming the first bad one."""
     if compressor not in COMPRESSORS:
         raise ValueError(f"unknown compressor {compressor!r}; choose one of: {', '.join(COMPRESSORS)}")
@@ -30,7 +30,7 @@ def check_compression_knobs(owner: str, compressor: str, options: dict[str, Any]
         raise ValueError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVE_CHOICES)}")
     if not bucket_mb > 0:
         raise ValueError(f"{owner}: bucket_mb must be > 0, got {bucket_mb}")
-    build_compressor(compressor, options, error_feedback)   # validates the codec's options
+    build_compressor(compressor, options)   # validates the codec's options
 
 
 @dataclass
@@ -64,37 +64,21 @@ class CompressedSGD(Algorithm):
             error hurts most. The default, 100 steps, is about a tenth of the 2-epoch ResNet-20
             run that reached S-SGD's accuracy only with it (docs/compression.md); set 0 for a
             compressed-from-step-one baseline. The hooks' ``start_compress_iter`` is the same knob.
-        inline_last_bucket: on the CPU, run the last bucket's job (encode, collective, decode)
-            on the training thread when ``step()`` waits for it and no earlier bucket is still
-            in flight, instead of on the pipeline's thread: nothing runs beside that job (backward
-            has ended), so the thread would add only two hand-offs. Same collectives in the
-            same order, same values (``Pipeline.submit``'s ``inline``; docs/compression.md).
-            It shortens the step slightly on the CPU. False: every job on the thread (CUDA
-            always).
-        gradient_as_bucket_view: as DDP's knob of that name, off by default as there: the
-            compressed steps' average is decoded into the bucket itself (the reducer's
-            ``in_place``) and each ``.grad`` becomes its parameter's view of the bucket, instead
-            of a new output copied into the gradients: one pass over the gradients and the
-            output's allocation less per step, and the gradients' too where the loop sets them
-            to None (``BucketSet.write_gradients``). It saves the training thread's copy; the
-            step time barely moves. The views are overwritten by the next backward's gradients, so a
-            ``.grad`` kept across steps silently changes: opt in where no code does that.
-        encode_from_gradients: on the CPU, with a codec that has native kernels (2-bit, 1-bit),
-            compressed steps neither copy the gradients of coded parameters into the bucket nor
-            copy the average back: the encoder reads each gradient where autograd left it and
-            the decoder writes the parameter's average into that same tensor, its ``.grad``
-            (``BucketSet.by_reference``, the reducer's ``sources`` with ``in_place``). Same codes,
-            residuals and results, bit for bit; two passes over the gradients less per step.
-            Warm-up steps, exact (1-D) parameters and gradients that are not contiguous fp32 are
-            copied as before; coded parameters' gradients then never become views of the bucket
-            (``gradient_as_bucket_view`` applies to the rest). It halves the training thread's
-            copies. False: copy every gradient in and every average out.
 
     Each parameter is compressed on its own (layer-wise scales and thresholds) and its
     residual is keyed by its name; all parameters of a bucket travel in one collective, and
     every collective (warm-up, compressed buckets) goes through the reducer's one ordered
     queue. A parameter that got no gradient on a rank contributes zeros there (and its
     residual waits); one that no rank produced a gradient for keeps ``grad = None``.
+
+    On the CPU, with a codec that has native kernels (2-bit, 1-bit), compressed steps encode
+    each coded parameter's gradient where autograd left it and decode its average back into
+    that same tensor, its ``.grad`` (``BucketSet.by_reference``, the reducer's ``sources`` with
+    ``in_place``): the same bits as copying it into the bucket and the average back out, with
+    two passes over the gradients less. Warm-up steps, exact (1-D) parameters and gradients that are not
+    contiguous fp32 are copied. The last bucket's job runs on the training thread when
+    ``step()`` waits for it and nothing else is in flight (CPU; ``Pipeline.submit``'s
+    ``inline``): backward has ended, so the pipeline's thread would only add two hand-offs.
     """
 
     compressor: str = "2bit"
@@ -105,15 +89,12 @@ class CompressedSGD(Algorithm):
     overlap: bool = True
     warmup_steps: int = DEFAULT_COMPRESSION_WARMUP_STEPS
     compress_vectors: bool = False
-    inline_last_bucket: bool = True
-    gradient_as_bucket_view: bool = False
-    encode_from_gradients: bool = True
 
     name: ClassVar[str] = "compressed"
 
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
-                                self.bucket_mb, self.error_feedback)
+                                self.bucket_mb)
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"compressed: warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
 
@@ -132,8 +113,8 @@ class BoundCompressedSGD(BoundAlgorithm):
         super().__init__(cfg, ctx)
         self.steps_done = 0
         self.warmup = Warmup(cfg.warmup_steps)
-        codec = build_compressor(cfg.compressor, cfg.compressor_options, cfg.error_feedback)
-        self.reducer: CompressedReducer = make_reducer(cfg.collective, ctx.comm, codec)
+        codec = build_compressor(cfg.compressor, cfg.compressor_options)
+        self.reducer: CompressedReducer = make_reducer(cfg.collective, ctx.comm, codec, cfg.error_feedback)
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(cfg.bucket_mb * MIB), self._launch)
         self.segments = [bucket_segments(ctx.names, ctx.params, b.param_indices) for b in self.buckets.buckets]
         self.exact_segments = [exact_vector_segments(ctx.params, b.param_indices, cfg.compress_vectors)
@@ -142,11 +123,11 @@ class BoundCompressedSGD(BoundAlgorithm):
         # it) unless some bucket goes whole in fp32
         self.checks_finite = ctx.decide_finiteness is not None and \
             not any(ex is not None and all(ex) for ex in self.exact_segments)
-        # coded fp32 parameters: their gradients may be encoded where they are and get their
-        # average written back there (encode_from_gradients), where the reducer's encoder reads
-        # them there (decided once: off that path a job copies them in, correct but no gain)
+        # coded fp32 parameters: their gradients are encoded where they are and get their
+        # average written back there, where the reducer's encoder reads them there (decided
+        # once: off that path a job would copy them in, correct but no gain)
         device = ctx.params[0].device if ctx.params else torch.device("cpu")
-        self.encodes_from_gradients = cfg.encode_from_gradients and self.reducer.reads_sources(device)
+        self.encodes_from_gradients = self.reducer.reads_sources(device)
         self.buckets.referable = frozenset(
             i for b, ex in zip(self.buckets.buckets, self.exact_segments)
             for k, i in enumerate(b.param_indices) if (ex is None or not ex[k]) and ctx.params[i].dtype == torch.float32)
@@ -167,15 +148,13 @@ class BoundCompressedSGD(BoundAlgorithm):
         key, segments = f"bucket{b.index}", self.segments[b.index]
         exact = self.exact_segments[b.index]
         # step() waits for the last bucket as soon as it is launched (backward has ended)
-        inline = self.cfg.inline_last_bucket and b.index == len(self.buckets.buckets) - 1
+        inline = b.index == len(self.buckets.buckets) - 1
         if self.warmup.active(self.steps_done) or (exact is not None and all(exact)):
             return self.reducer.start_full_precision(b.grads, key, segments, present=b.flags > 0, inline=inline)
         # no copy: step() waits for every bucket before the next backward refills it. The
-        # average is decoded into the gradients read where they are (sources) and, with
-        # gradient_as_bucket_view, into the bucket for the rest, whose views become the
-        # gradients (fp32 buckets)
+        # average is decoded into the gradients read where they are (sources)
         sources = b.sources if self.buckets.by_reference else None
-        in_place = (self.cfg.gradient_as_bucket_view or sources is not None) and b.grads.dtype == torch.float32
+        in_place = sources is not None and b.grads.dtype == torch.float32
         return self.reducer.start(b.grads, key, segments, present=b.present(), exact_segments=exact, copy=False,
                                   check_finite=self.checks_finite, inline=inline, in_place=in_place,
                                   sources=sources)
@@ -188,9 +167,7 @@ class BoundCompressedSGD(BoundAlgorithm):
         self.buckets.launch_remaining()
         for b in self.buckets.buckets:
             averaged = b.handle.wait()
-            self.buckets.write_gradients(b, averaged, present=b.handle.present,
-                                         as_views=self.cfg.gradient_as_bucket_view,
-                                         written=b.handle.targets)
+            self.buckets.write_gradients(b, averaged, present=b.handle.present, written=b.handle.targets)
         if carried:
             buckets = self.buckets.buckets
             self.ctx.decide_finiteness(first_nonfinite(buckets, [b.handle for b in buckets], self.ctx.world_size))

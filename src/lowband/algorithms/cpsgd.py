@@ -190,11 +190,10 @@ class CPSGD(Algorithm):
             ``"sgd"``: w = W - local_lr * g_t (the paper's plain-SGD local optimizer);
             ``"none"``: w = W_{t-1} (no local compensation).
         local_lr: alpha for ``"sgd"``; ``None`` uses each parameter group's learning rate.
-        inline_last_bucket: as for ``compressed``, for the warm-up steps only: on the CPU their
-            last bucket's fp32 all-reduce runs on the training thread when ``step()`` waits for
-            it (it waits at once; nothing runs beside it), not on the pipeline's thread. Same
-            collectives in the same order, same values. Pipelined steps keep every job on the
-            thread: their jobs are waited for a step later, behind the next compute step.
+
+    As ``compressed``'s, a warm-up step's last bucket runs on the training thread when
+    ``step()`` waits for it on the CPU; pipelined steps keep every job on the pipeline's thread
+    (their jobs are waited for a step later, behind the next compute step).
     """
 
     compressor: str = "2bit"
@@ -213,13 +212,12 @@ class CPSGD(Algorithm):
     compress_vectors: bool = False
     local_update: str = "optimizer"
     local_lr: Optional[float] = None
-    inline_last_bucket: bool = True
 
     name: ClassVar[str] = "cpsgd"
 
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
-                                self.bucket_mb, error_feedback=True)
+                                self.bucket_mb)
         for knob, low in (("warmup_steps", 0), ("min_period", 1), ("max_period", 1), ("fit_max_period", 1)):
             v = getattr(self, knob)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -229,8 +227,7 @@ class CPSGD(Algorithm):
             raise ValueError(f"cpsgd: correction_period must be an integer >= 1 or None, got {k!r}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"cpsgd: correction must be one of {CORRECTIONS}, got {self.correction!r}")
-        for knob in ("adapt_period", "fit_period", "flush_residual_on_correction", "compress_vectors",
-                     "inline_last_bucket"):
+        for knob in ("adapt_period", "fit_period", "flush_residual_on_correction", "compress_vectors"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"cpsgd: {knob} must be True or False, got {getattr(self, knob)!r}")
         if self.adapt_period and (k is None or self.min_period > self.max_period):
@@ -263,8 +260,8 @@ class BoundCPSGD(BoundAlgorithm):
     # -- setup ---------------------------------------------------------------------------
     def __init__(self, cfg: CPSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
-        codec = build_compressor(self.cfg.compressor, self.cfg.compressor_options, error_feedback=True)
-        self.reducer = make_reducer(self.cfg.collective, ctx.comm, codec)
+        codec = build_compressor(self.cfg.compressor, self.cfg.compressor_options)
+        self.reducer = make_reducer(self.cfg.collective, ctx.comm, codec, error_feedback=True)
         # double buffered: a pipelined bucket goes to the reducer uncopied (``copy=False``);
         # step t's job is waited for in step t + 1, before step t + 2 refills its buffer
         self.buckets = BucketSet(ctx.params, range(len(ctx.params)), int(self.cfg.bucket_mb * MIB), self._launch,
@@ -349,16 +346,13 @@ class BoundCPSGD(BoundAlgorithm):
         warm-up and burst steps (fp32 all-reduces) leave the check to the engine's guard."""
         return self.checks_finite and not self.in_warmup(self.t) and not self.is_burst(self.t)
 
-    def finiteness_verdict(self) -> list[int]:
-        """Per rank, its first parameter with a non-finite gradient in the step in flight."""
-        return self.in_flight.nonfinite_first() if self.in_flight is not None else [-1] * self.ctx.world_size
-
     # -- iteration ----------------------------------------------------------------------
     def _launch(self, b: Bucket):
         key, segs, t = f"bucket{b.index}", self.segments[b.index], self.t
         if self.in_warmup(t):
-            # step() waits for the last bucket as soon as it is launched (backward has ended)
-            inline = self.cfg.inline_last_bucket and b.index == len(self.buckets.buckets) - 1
+            # step() waits for the last bucket as soon as it is launched (backward has ended):
+            # on the CPU it runs on the training thread then, sparing two thread hand-offs
+            inline = b.index == len(self.buckets.buckets) - 1
             return self.reducer.start_full_precision(b.buffer, key, inline=inline)   # gradients and flags
         flight = self._launching
         if self.is_burst(t):
@@ -396,6 +390,8 @@ class BoundCPSGD(BoundAlgorithm):
         else:
             flight = self._launching
             flight.seal([b.handle for b in self.buckets.buckets], self._measure)
+            if self.carries_finiteness():   # decided before this average reaches W, at step t + 1
+                self.ctx.decide_finiteness(flight.nonfinite_first)
             # the average is clipped and applied with the request and settings of this step
             # when it reaches W (a step later, or at drain())
             flight.clip, flight.hyper = self.ctx.clip, hyperparameters(self.ctx.optimizer)
@@ -437,7 +433,7 @@ class BoundCPSGD(BoundAlgorithm):
         boundary (k < 3: the boundary after). Every rank sends at the same steps; NaN where it
         measured nothing, which the rule skips."""
         now = time.perf_counter()
-        waited = self.ctx.comm.stats.comm_wait_s     # every exposed wait: the guard's, the handles'
+        waited = self.ctx.exposed_wait_s     # every exposed wait: the engine's, the handles'
         if self._last_exit is not None:
             self._fit_times["compute"].append(now - self._last_exit - (waited - self._waited_at_exit))
         self._last_exit, self._waited_at_exit = now, waited

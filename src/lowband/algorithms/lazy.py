@@ -332,7 +332,7 @@ class BoundLazyUpdate(BoundAlgorithm):
             # (nonfinite="skip" drops the step before step() takes them): start afresh. (A use
             # that does not run in the step after a skipped one would carry that gradient
             # over: not handled.)
-            steps = self.ctx.comm.stats.steps
+            steps = self.ctx.steps
             if steps != self._alias_step:
                 self._aliases.clear()
                 self._alias_step = steps

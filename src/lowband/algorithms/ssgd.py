@@ -24,10 +24,11 @@ class SSGD(Algorithm):
             backward (False, the "no overlap" baseline of the overlap benchmark).
         gradient_as_bucket_view: as DDP's knob of that name, off by default as there: after
             the all-reduce each ``.grad`` becomes its parameter's view of the bucket instead of
-            a copy (a gradient-sized allocation and a pass over the gradients less per step;
-            ``BucketSet.write_gradients``). The views are overwritten by the next backward's
-            gradients, so a ``.grad`` kept across steps silently changes: opt in where no code
-            does that.
+            a copy (``BucketSet.write_gradients``). Set it to save memory, as with DDP: with
+            ``zero_grad(set_to_none=False)`` the gradients then live in the buckets, one
+            gradient-sized allocation less (and a pass over the gradients less per step). The
+            views are overwritten by the next backward's gradients, so a ``.grad`` kept across
+            steps silently changes: opt in where no code does that.
     """
 
     bucket_mb: float = 1.0

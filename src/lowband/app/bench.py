@@ -19,22 +19,6 @@ from .runner import launch
 from .metrics import read_jsonl
 
 WARMUP_STEPS = 5     # steps excluded from the medians
-#: ``lowband bench --order``: how each round of a ``--repeat`` bench orders its algorithms
-BENCH_ORDERS = ("fixed", "rotate")
-
-
-def round_order(count: int, round_index: int, order: str) -> list[int]:
-    """The order (indices into the ``--algorithms`` list) in which round ``round_index`` (from 0)
-    runs ``count`` algorithms. ``fixed``: as listed, every round. ``rotate``: round r starts at
-    the r-th (mod ``count``) and wraps around, so over ``count`` rounds every algorithm runs in
-    every position once, and an effect of the position (the first run of a round after the
-    last one's result writing, a cache or a link left warm by the run before) is spread over
-    all of them instead of always landing on the same one. Per-round ratios read each run
-    against its own round's ``noop`` either way."""
-    if order not in BENCH_ORDERS:
-        raise ValueError(f"--order must be one of: {', '.join(BENCH_ORDERS)}, got {order!r}")
-    start = round_index % count if order == "rotate" and count else 0
-    return list(range(start, count)) + list(range(start))
 
 
 def steady_start(steps: Sequence[dict[str, Any]]) -> int:

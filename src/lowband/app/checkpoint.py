@@ -45,7 +45,7 @@ MANIFEST = "latest.json"
 #: NaN); a changed length stretches a cosine schedule from the resume point (schedule.py)
 RESUMABLE_CHANGES = frozenset({
     "epochs", "max_steps", "progress", "timeout_s", "run_dir", "eval_every_epoch", "eval_every_steps",
-    "checkpoint_every", "keep_checkpoints", "resume", "data_dir", "threads", "cpu_binding", "comm_slice_us", "malloc", "nonfinite",
+    "checkpoint_every", "keep_checkpoints", "resume", "data_dir", "threads", "cpu_binding", "malloc", "nonfinite",
     "max_consecutive_skips", "master_addr",
     # where the tensors live: state reloads onto the model's device (a run moved between CPU
     # and GPU continues, though not bit for bit); checkpoints from before --device lack it
@@ -56,6 +56,9 @@ RESUMABLE_CHANGES = frozenset({
 #: configuration fields added after checkpoints were first written, with the value every run
 #: before them had: a checkpoint that lacks one is compared as if it held that value
 ADDED_FIELDS = {"micro_batches": 1}
+#: configuration fields that checkpoints of earlier versions hold and this version no longer has
+#: (none of them altered a trajectory): left out of the comparison
+REMOVED_FIELDS = frozenset({"comm_slice_us"})
 
 
 class CheckpointError(RuntimeError):
@@ -158,12 +161,20 @@ def read_manifest(run_dir: str) -> dict[str, Any]:
     return manifest
 
 
-def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size: int) -> None:
-    """Raise CheckpointError unless a run with ``config`` on ``world_size`` ranks can continue it."""
+def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size: int, *,
+                    torchrun: bool = False) -> None:
+    """Raise CheckpointError unless a run with ``config`` on ``world_size`` ranks can continue it.
+    The world size cannot change: each rank's file holds that rank's own algorithm state
+    (residuals, accumulators, a step in flight) and data position. ``torchrun``: the run was
+    started by torchrun, so the advice names its flags instead of ``--workers``."""
     if manifest["world_size"] != world_size:
-        raise CheckpointError(f"the checkpoint was written by {manifest['world_size']} workers, "
-                              f"but this run has {world_size}; resume with --workers {manifest['world_size']}")
-    saved, config = {**ADDED_FIELDS, **manifest.get("config", {})}, {**ADDED_FIELDS, **config}
+        saved = manifest["world_size"]
+        how = (f"torchrun with {saved} processes in all (--nnodes x --nproc-per-node)" if torchrun
+               else f"--workers {saved}")
+        raise CheckpointError(f"the checkpoint was written by {saved} workers, but this run has {world_size}; "
+                              f"resume with {how} (a checkpoint resumes only at the world size that wrote it)")
+    saved = {k: v for k, v in {**ADDED_FIELDS, **manifest.get("config", {})}.items() if k not in REMOVED_FIELDS}
+    config = {**ADDED_FIELDS, **config}
     differ = sorted(k for k in set(saved) | set(config)
                     if k not in RESUMABLE_CHANGES and saved.get(k) != config.get(k))
     if differ:

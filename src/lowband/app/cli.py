@@ -17,7 +17,6 @@ from typing import Any, Optional, Sequence
 
 from .. import __version__
 from ..algorithms import ALGORITHMS, make_algorithm
-from .bench import BENCH_ORDERS, round_order
 from .checkpoint import CheckpointError, check_resumable, read_manifest, verify
 from ..runtime.cpus import CPU_BINDINGS
 from ..runtime.memory import MALLOC_MODES
@@ -139,16 +138,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="spread: bind each worker of this machine to its own slice of the cores this process "
                         "may use (LOCAL_RANK of LOCAL_WORLD_SIZE; round-robin when there are more workers than "
                         "cores); none: the OS places every thread (docs/architecture.md) (default: %(default)s)")
-    p.add_argument("--comm-slice-us", type=int, default=d.comm_slice_us, metavar="US",
-                   help="scheduler slice in microseconds for each worker's communication threads (gloo's, "
-                        "lowband's pipeline): on Linux 6.12+ a short one (e.g. 100) lets them preempt the "
-                        "training thread sooner when bytes arrive; 0 keeps the kernel's default. The run "
-                        "summary records how many threads took it (docs/architecture.md) (default: %(default)s)")
     p.add_argument("--malloc", default=d.malloc, choices=MALLOC_MODES,
                    help="cached: the C heap keeps the pages a step freed for the next step (glibc's "
                         "mmap threshold 32 MiB, trim threshold 1 GiB), so a step never faults them in "
-                        "again; system: glibc's adaptive defaults, under which a step may fault the pages it "
-                        "freed back in (docs/architecture.md). Results are bit-identical (default: %(default)s)")
+                        "again, and a worker's resident memory stays at its peak; system: glibc's adaptive "
+                        "defaults, which give freed memory back to the system: use it when the workers share "
+                        "the machine's memory with other work and their peak must not stay resident "
+                        "(docs/architecture.md). Results are bit-identical (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds before a silent peer is reported as failed (default: %(default)s)")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
@@ -213,7 +209,7 @@ def config_from_args(args: argparse.Namespace, algorithm: str, workers: int, run
         lr=task["lr"], momentum=args.momentum,
         weight_decay=task["weight_decay"], optimizer=task["optimizer"], lr_schedule=task["lr_schedule"],
         warmup_steps=task["warmup_steps"], seed=args.seed, threads=args.threads, cpu_binding=args.cpu_binding,
-        comm_slice_us=args.comm_slice_us, malloc=args.malloc,
+        malloc=args.malloc,
         run_dir=run_dir, timeout_s=args.timeout_s,
         progress=args.progress, nonfinite=args.nonfinite, max_consecutive_skips=args.max_consecutive_skips,
         checkpoint_every=args.checkpoint_every,
@@ -307,10 +303,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "the run with the median step time, and per round its ratio to the same round's noop "
                         "with the median of those ratios (a machine's step times drift between runs minutes "
                         "apart; interleaved repeats cancel the drift; default: %(default)s)")
-    b.add_argument("--order", choices=BENCH_ORDERS, default="fixed",
-                   help="with --repeat, the algorithms' order in each round: 'fixed' (as listed) or 'rotate' "
-                        "(round r starts at the r-th algorithm, so each takes every position once in as many "
-                        "rounds as there are algorithms; default: %(default)s)")
     add_run_arguments(b)
     b.set_defaults(max_steps=100)
 
@@ -357,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--compute-scale", type=float, default=1.0,
                     help="multiply the profile's compute and codec times, e.g. for CPU contention (default: %(default)s)")
     pl.add_argument("--out", default=None, help="also draw speedup vs workers to this image file")
+
+    k = sub.add_parser("knobs", help="every algorithm's options as a markdown reference",
+                       description="Print every registered algorithm's options (type, default, what each does, "
+                                   "from the dataclass fields and their docstrings) as markdown: the reference "
+                                   "docs/knobs.md holds.")
+    k.add_argument("--out", default=None, help="write it to this file instead of printing it (docs/knobs.md)")
     return parser
 
 
@@ -379,12 +377,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .bench import run_on_link
     from .metrics import format_table
     from .runner import RunFailed
-    from .train import print_summary, run_worker
+    from .train import print_summary
+    from .worker import run_reported
 
     run_dir = resolve_run_dir(args)
     if under_torchrun():
         cfg = config_from_args(args, args.algorithm, int(os.environ["WORLD_SIZE"]), run_dir)
-        summary = run_worker(cfg)
+        summary = run_reported(cfg)    # a failure: one line naming this rank, as with lowband's launcher
         if summary is not None:
             print_summary(summary)
         return 0
@@ -493,9 +492,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         check_config(cfg)
                     configs.append((r, label, rate, cfg, spec, (li, wi, ai)))
     # round-robin, every configuration once per round; within a round each link and worker
-    # count in turn, their algorithms in the round's --order
-    orders = {r: {a: k for k, a in enumerate(round_order(len(algorithms), r, args.order))} for r in range(args.repeat)}
-    configs.sort(key=lambda c: (c[0], c[5][0], c[5][1], orders[c[0]][c[5][2]]))
+    # count in turn, their algorithms as listed
+    configs.sort(key=lambda c: (c[0], c[5]))
     os.makedirs(args.out, exist_ok=True)
     rows = []
     command = "lowband " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowband") else \
@@ -635,7 +633,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "plan": cmd_plan}
+def cmd_knobs(args: argparse.Namespace) -> int:
+    from .knobs import knob_reference
+    text = knob_reference()
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.out, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: {e.strerror or e}") from None
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "plan": cmd_plan,
+            "knobs": cmd_knobs}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..runtime import comm_threads, cpus, memory
+from ..runtime import cpus, memory
 from .data import DEFAULT_DATA_DIR
 from ..runtime.device import DEVICES
 from ..engine.guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, NONFINITE_POLICIES
@@ -47,7 +47,6 @@ class TrainConfig:
     threads: int = 1              # intra-op threads per worker
     cpu_binding: str = "none"     # "none" | "spread": each local rank on its own cores (lowband.runtime.cpus)
     malloc: str = memory.DEFAULT_MODE   # "cached" | "system": the C heap keeps a step's pages (lowband.runtime.memory)
-    comm_slice_us: int = 100      # scheduler slice (us) of gloo's and lowband's threads; 0: the kernel's (lowband.runtime.comm_threads)
     eval_every_epoch: bool = True
     eval_every_steps: Optional[int] = None   # also evaluate every N steps (accuracy-vs-time curves)
     run_dir: str = "runs/latest"
@@ -95,7 +94,6 @@ class TrainConfig:
             at_least("--eval-every", self.eval_every_steps, 1)
         at_least("--threads", self.threads, 1)
         cpus.check_mode(self.cpu_binding)
-        comm_threads.check_slice(self.comm_slice_us)
         memory.check_mode(self.malloc)
         number("--timeout", self.timeout_s, 0 < self.timeout_s <= MAX_TIMEOUT_S,
                f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:.0f} (a week)")

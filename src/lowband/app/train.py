@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from datetime import timedelta
 from typing import Any, Optional
@@ -19,13 +20,14 @@ from torch import nn
 from .config import TrainConfig
 from .data import ShardedBatches, load_dataset
 from . import checkpoint, tasks
-from ..runtime import comm_threads, cpus, device, memory, rendezvous
+from ..runtime import comm_threads, cpus, device, elastic, memory, rendezvous
 from ..comm.agreement import ReplicaMismatchError
 from ..engine.engine import Engine, distribute
 from ..engine.guard import NonFiniteLossError
 from .metrics import MetricsWriter, format_table, read_jsonl, write_json_atomic
 from .models import make_model
 from .lr_schedule import COSINE_FINAL_RATIO, CosineSchedule
+from .runner import prepare_run_dir
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -94,6 +96,45 @@ def _all_gather(value: Any) -> list[Any]:
     return out
 
 
+def join_torchrun_job(cfg: TrainConfig, rank: int) -> TrainConfig:
+    """Collective, for a worker started by torchrun: decide on every rank alike whether this
+    start is a restart of the job, and prepare the run directory as ``lowband train``'s own
+    launcher does.
+
+    A restart (some rank's ``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun's ``--max-restarts``
+    started the workers again after one failed) continues from the run directory's latest
+    checkpoint, as ``--resume`` would, or from step 0 when the job has written none yet. A
+    fresh start removes an earlier run's checkpoints and records (rank 0), so a later restart
+    never continues another run. Returns ``cfg``, with ``resume`` set on a restart that resumes."""
+    manifest = checkpoint.manifest_path(cfg.run_dir)
+    seen = _all_gather((elastic.restart_count(), os.path.exists(manifest)))
+    restart = max(count for count, _ in seen)
+    if restart > 0 and not cfg.resume:
+        found = [has for _, has in seen]
+        if all(found):
+            cfg = dataclasses.replace(cfg, resume=True)
+        elif any(found):
+            raise checkpoint.CheckpointError(
+                f"after torchrun's restart {restart}, rank {found.index(False)} finds no checkpoint at {manifest} "
+                f"where rank {found.index(True)} finds one; checkpoints need a run directory that every rank shares")
+    if cfg.resume:                # refused (one line, every rank) before the run directory is touched
+        checkpoint.check_resumable(checkpoint.read_manifest(cfg.run_dir), dataclasses.asdict(cfg),
+                                   dist.get_world_size(), torchrun=True)
+    if rank == 0:
+        prepare_run_dir(cfg)      # a fresh start clears old checkpoints; a resume keeps them
+        hazard = elastic.restart_hazard()
+        if hazard is not None and restart == 0:
+            print(f"lowband: warning: {hazard}", file=sys.stderr, flush=True)
+        if restart > 0:
+            limit = elastic.max_restarts()
+            what = f"torchrun restart {restart}" + (f" of at most {limit}" if limit is not None else "")
+            where = (f"continuing from the checkpoint of step {checkpoint.read_manifest(cfg.run_dir)['step']}"
+                     if cfg.resume else "no checkpoint yet: starting again from step 0")
+            print(f"lowband: {what}: {where} ({cfg.run_dir})", file=sys.stderr, flush=True)
+    dist.barrier()                # nobody reads or writes the run directory before it is ready
+    return cfg
+
+
 def forward_backward(engine: Engine, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 1) -> torch.Tensor:
     """One step's forward and backward over the batch ``(x, y)``, as ``micro_batches`` passes over
     consecutive slices of it whose gradients add up (all but the last inside ``engine.no_sync()``),
@@ -125,6 +166,8 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     dev = device.bind(cfg.device, int(os.environ.get("RANK", 0)))
     init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if elastic.under_agent():
+        cfg = join_torchrun_job(cfg, rank)
     on_gpu = dev.type != "cpu"      # decided once: the CPU loop gains no per-step device check
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -148,7 +191,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
     train_time = wait_total = 0.0
     if cfg.resume:
         manifest = checkpoint.read_manifest(cfg.run_dir)
-        checkpoint.check_resumable(manifest, dataclasses.asdict(cfg), world)
+        checkpoint.check_resumable(manifest, dataclasses.asdict(cfg), world, torchrun=elastic.under_agent())
         state = checkpoint.load(cfg.run_dir, rank, world, manifest, map_location=dev)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -234,7 +277,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             })
             if step == resumed_at + 1:
                 # after one step every communication thread exists (gloo's, the pipeline's)
-                comm_slices = comm_threads.shorten(cfg.comm_slice_us)
+                comm_slices = comm_threads.shorten(comm_threads.WORKER_SLICE_US)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * step_s:.0f}")
@@ -270,7 +313,7 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             "workers": world, "device": str(dev), "backend": dist.get_backend(),
             "cpu_binding": cfg.cpu_binding, "rank0_cores": cores,
             # None: the kernel takes no custom slices (nothing changed)
-            "comm_slice_us": cfg.comm_slice_us, "rank0_comm_threads_sliced": comm_slices,
+            "comm_slice_us": comm_threads.WORKER_SLICE_US, "rank0_comm_threads_sliced": comm_slices,
             "malloc": cfg.malloc, "malloc_settings": malloc, "model": cfg.model, "task": tasks.task_of(cfg.model), "dataset": cfg.dataset,
             "batch_size": cfg.batch_size, "micro_batches": cfg.micro_batches, "steps": step,
             "skipped_steps": stats.skipped_steps,

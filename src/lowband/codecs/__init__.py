@@ -1,8 +1,9 @@
-"""Gradient codecs (bit-packed) and the error-feedback wrapper.
+"""Gradient codecs (bit-packed) and per-tensor error feedback.
 
 ``make_compressor(name, **options)`` builds a codec by name (see ``COMPRESSORS``);
 ``register(cls)`` adds a codec class under ``cls.name``; ``ErrorFeedback(codec)`` adds per-name
-residual memory to any codec. A codec with a fused bucket kernel names it in
+residual memory to a codec used tensor by tensor (the compressed reducer keeps its own
+residuals per bucket). A codec with a fused bucket kernel names it in
 ``Compressor.kernel_kind``.
 """
 

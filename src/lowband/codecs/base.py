@@ -12,9 +12,10 @@ Design
   can decode peers' payloads with the ctx of its own ``compress`` call. ``name`` and ``step``
   matter only to codecs whose decoding depends on shared randomness (random-k). All other
   codecs ignore them.
-* Error feedback is a wrapper (:mod:`.error_feedback`). A codec may override
-  :meth:`Compressor.compress_residual_` to compress a buffer and turn it into its own residual in
-  one fused pass. This is what makes 2-bit + EF reach memory-bound speed. The default is the
+* Error feedback lives outside the codec, in whoever keeps the residuals: the compressed
+  reducer (one flat residual per bucket) or :class:`~.error_feedback.ErrorFeedback` (one per
+  tensor name). A codec may override :meth:`Compressor.compress_residual_` to compress a
+  buffer and turn it into its own residual in one fused pass. This is what makes 2-bit + EF reach memory-bound speed. The default is the
   generic ``buf -= decompress(compress(buf))``.
 * Stochastic codecs draw from a *local* ``torch.Generator`` seeded by ``(seed, name, step)``.
   ``step`` is a per-name counter kept in the codec's ``state_dict``, so runs are reproducible

@@ -1,4 +1,4 @@
-"""Error feedback (residual memory) as a wrapper around any :class:`Compressor`.
+"""Error feedback (residual memory) for a codec used tensor by tensor.
 
 For each tensor name the wrapper keeps a residual ``e`` (fp32, zero-initialised, never reset
 implicitly) and performs exactly
@@ -7,10 +7,17 @@ With the 2-bit codec this is MXNet's ``r <- e + g; q = Q(r); e <- r - q``. Summe
 the decoded payloads plus the final residual equal the summed gradients (mass conservation),
 which is what makes biased codecs converge.
 
-The wrapper is a drop-in :class:`Compressor`: ``compress`` returns the inner payload and ctx,
+The wrapper is a drop-in :class:`Compressor` for code that compresses named tensors one at a
+time (a training loop of its own, ``lowband profile``'s per-tensor timings, the reference
+implementations the tests compare against): ``compress`` returns the inner payload and ctx,
 and ``decompress`` / ``payload_nbytes`` / ``context_for`` delegate. The residual lives in the
 wrapper, not in the inner codec, so any codec gets EF without duplicating it. A codec can fuse
 the update through ``compress_residual_``.
+
+lowband's algorithms do not use it: their compressed reducer
+(:class:`lowband.comm.reducer.CompressedReducer`, ``error_feedback=True``) keeps one flat
+residual per bucket, which the bucket kernels update in the same pass as the encode, with the
+same arithmetic per element. It refuses an ``ErrorFeedback`` in place of a codec.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class Pipeline:
         self._thread.start()
 
     def _loop(self) -> None:
-        # the kernel's name too: top -H and --comm-slice-us (lowband.runtime.comm_threads) see it
+        # the kernel's name too: top -H and the workers' short slice (lowband.runtime.comm_threads) see it
         name_this_thread("lowband-pipe")
         while True:
             item = self._queue.get()

@@ -105,21 +105,24 @@ class CompressedReducer:
             the group's size; ``name`` is the one used).
         comm: the caller's counted communicator (its group's ranks take part, its stats get
             the bytes and the exposed wait time).
-        codec: the worker codec, wrapped in :class:`ErrorFeedback` for residual memory (the
-            reducer keeps the residuals itself, keyed by parameter name).
-        server_codec: two-stage's owner-side codec (default: a fresh copy of the worker codec;
-            it always has error feedback).
+        codec: the worker codec (the codec itself: the reducer keeps the residuals).
+        error_feedback: keep a worker residual per bucket (one flat fp32 tensor, saved and
+            restored per parameter name) and add it to the next contribution; without it
+            biased codecs lose what they drop. Two-stage's owner side always keeps one.
+        server_codec: two-stage's owner-side codec (default: a fresh copy of the worker codec).
         pipeline: share an existing pipeline (default: a new one).
     """
 
-    def __init__(self, kind: str, comm: Communicator, codec: Compressor,
+    def __init__(self, kind: str, comm: Communicator, codec: Compressor, error_feedback: bool = True,
                  server_codec: Optional[Compressor] = None, pipeline: Optional[Pipeline] = None) -> None:
+        for c in (codec, server_codec):
+            if isinstance(c, ErrorFeedback):
+                raise ValueError("the compressed reducer takes the codec itself and keeps the residuals: pass "
+                                 f"{c.inner!r} and error_feedback=True, not {c!r}")
         self.name = resolve_collective(kind, comm.world_size)
         self.comm = comm
-        self.error_feedback = isinstance(codec, ErrorFeedback)
-        self.codec = codec.inner if self.error_feedback else codec
-        if isinstance(server_codec, ErrorFeedback):
-            server_codec = server_codec.inner
+        self.error_feedback = bool(error_feedback)
+        self.codec = codec
         self.server_codec = copy.deepcopy(self.codec) if server_codec is None else server_codec
         self.world_size, self.rank = comm.world_size, comm.rank
         self.pipeline = pipeline if pipeline is not None else Pipeline(comm, kind)
@@ -306,10 +309,6 @@ class CompressedReducer:
         if b is not None:
             self._flush(b, into, zero)
 
-    def reduce(self, tensor: torch.Tensor, name: str, segments: Optional[Segments] = None, **kw: Any) -> torch.Tensor:
-        """Synchronous convenience: ``start(...).wait()``."""
-        return self.start(tensor, name, segments, **kw).wait()
-
     def worker_residual(self, name: str) -> Optional[torch.Tensor]:
         """The live flat worker residual of bucket ``name`` (None: no such bucket yet, or no
         error feedback). Read it only while no job of that bucket is queued or running."""
@@ -356,7 +355,8 @@ class CompressedReducer:
             self.pipeline.close()
 
 
-def make_reducer(kind: str, comm: Communicator, codec: Compressor, pipeline: Optional[Pipeline] = None
-                 ) -> CompressedReducer:
-    """The compressed reducer of collective ``kind`` (``two-stage``, ``allgather`` or ``auto``)."""
-    return CompressedReducer(kind, comm, codec, pipeline=pipeline)
+def make_reducer(kind: str, comm: Communicator, codec: Compressor, error_feedback: bool = True,
+                 pipeline: Optional[Pipeline] = None) -> CompressedReducer:
+    """The compressed reducer of collective ``kind`` (``two-stage``, ``allgather`` or ``auto``)
+    through ``codec``, with a worker residual per bucket unless ``error_feedback`` is False."""
+    return CompressedReducer(kind, comm, codec, error_feedback, pipeline=pipeline)

@@ -60,6 +60,7 @@ class Engine:
         group: Optional[dist.ProcessGroup] = None,
         nonfinite: str = "raise",
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        scaler: Optional[Any] = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -70,10 +71,15 @@ class Engine:
         self.algorithm = algorithm
         self.comm = Communicator(group)
         self._policy = (nonfinite, max_consecutive_skips)
+        #: the GradScaler of every step (``distribute(..., scaler=...)``; None: none or disabled)
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._select_parameters()
         self._check_optimizer()
         check_dense_gradients(model)
         check_policy(nonfinite, max_consecutive_skips)
+        if self.scaler is not None and nonfinite != "off":
+            raise ValueError("lowband.distribute(..., scaler=...) needs nonfinite='off': the GradScaler decides "
+                             "about non-finite steps itself (skipped on every rank alike, the scale backs off)")
         # before any collective whose shape depends on the configuration (the broadcast below)
         check_agreement(self.agreement_fields(nonfinite, max_consecutive_skips), self.comm.group)
         #: bytes of evaluation and checks (global_model, check_replicas), kept apart from the
@@ -100,15 +106,23 @@ class Engine:
         skips = self.guard.consecutive_skips if hasattr(self, "guard") else 0
         self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group, max_consecutive_skips)
         self.guard.consecutive_skips = skips
-        carried = self.guard.decide_carried if self.guard.policy == "raise" else None
+        steps = self.ctx.steps if hasattr(self, "ctx") else 0
         self.ctx = EngineContext(model=self.model, optimizer=self.optimizer, names=self.names, params=self.params,
-                                 comm=self.comm, decide_finiteness=carried)
+                                 comm=self.comm, decide_finiteness=self.guard.carrier, steps=steps)
         #: the algorithm bound to this engine (its state); ``algorithm`` stays configuration
         self.bound = self.algorithm.bind(self.ctx)
         bound = self.bound
+        if self.scaler is not None:
+            refusal = self._scaler_refusal()
+            if refusal:
+                bound.close()
+                raise ValueError(refusal)
+            if not bound.scales:   # the guard unscales every gradient before the algorithm takes it
+                self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group,
+                                           max_consecutive_skips, scaler=self.scaler)
+                self.guard.consecutive_skips = skips
+        self.guard.attach(bound)
         self.module = bound.wrap_module(self.model)
-        if self.guard.policy == "raise":
-            self.guard.carried_by = bound.carries_finiteness
         self._forward = bound.on_gradient_ready if bound.uses_gradient_hooks else None
         #: depth of :meth:`no_sync` blocks now open; parameters whose gradient grew inside one
         #: and that the algorithm has not been told about since (:meth:`_deliver_accumulated`)
@@ -125,12 +139,10 @@ class Engine:
 
     def _make_delivery(self, index: int):
         """What the gradient hook of parameter ``index`` does outside :meth:`no_sync`: tell the
-        algorithm (through the finiteness guard when it is active). Only made when hooks are
+        algorithm, through the finiteness guard when it is active
+        (:meth:`~lowband.engine.guard.GradientGuard.delivery`). Only made when hooks are
         registered, i.e. when the algorithm uses them or the guard is active."""
-        guard, forward = self.guard, self._forward
-        if not guard.active:
-            return lambda: forward(index)
-        return lambda: guard.on_gradient(index, forward)
+        return self.guard.delivery(index, self._forward)
 
     def _make_hook(self, index: int):
         deliver, accumulated = self._deliver[index], self._accumulated
@@ -162,7 +174,8 @@ class Engine:
                           "groups": [{k: v for k, v in g.items() if k != "params"} | {"size": len(g["params"])}
                                      for g in self.optimizer.param_groups]},
             "world": {"size": self.comm.world_size, "backend": str(dist.get_backend(self.comm.group))},
-            "nonfinite": {"policy": nonfinite, "max_consecutive_skips": max_consecutive_skips},
+            "nonfinite": {"policy": nonfinite, "max_consecutive_skips": max_consecutive_skips,
+                          "gradient_scaler": self.scaler is not None},
         }
 
     def _check_optimizer(self) -> None:
@@ -202,28 +215,29 @@ class Engine:
 
     def step(self, scaler: Optional[Any] = None) -> bool:
         """Finish this iteration's communication and advance the optimizer. Returns False when
-        the step was skipped on every rank for a non-finite gradient (``nonfinite="skip"``);
-        callers then leave their LR scheduler alone, as if the step had not happened.
+        the step was skipped on every rank for a non-finite gradient (``nonfinite="skip"``, or
+        a GradScaler's step under an algorithm the engine unscales for); callers then leave
+        their LR scheduler alone, as if the step had not happened.
 
-        ``scaler``: the ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward ran on, as
-        a DDP script passes it to ``scaler.step(optimizer)``; the average is unscaled, clipped
-        (:meth:`clip_grad_norm_`) and stepped by ``scaler.step``, which skips a step whose
-        gradient is not finite on every rank alike; then call ``scaler.update()`` as usual.
-        Needs ``distribute(..., nonfinite="off")`` (the scaler decides about non-finite steps)
-        and an algorithm whose ``.grad`` holds the average before the optimizer step (``ssgd``,
-        the DDP peers, ``noop``); the others refuse it with one line."""
+        Mixed precision with a ``torch.amp.GradScaler``: ``lowband.distribute(...,
+        scaler=scaler, nonfinite="off")``, ``scaler.scale(loss).backward()``, ``engine.step()``,
+        ``scaler.update()``; with every algorithm but ``ddp-powersgd`` (refused with one line).
+        Under ``ssgd``, ``noop`` and the DDP peers (``BoundAlgorithm.scales``) the average of
+        the scaled gradients is unscaled, clipped (:meth:`clip_grad_norm_`) and stepped by
+        ``scaler.step``, as in a DDP script; under the others the engine unscales every
+        gradient as backward produces it, before the algorithm takes it, and skips a step with
+        an inf or NaN on any rank on every rank (:mod:`lowband.engine.guard`, "scale" mode).
+        Do not call ``scaler.unscale_`` or ``scaler.step`` yourself.
+
+        ``scaler``: the same scaler again (optional), or, without one given to ``distribute``,
+        the scaler of this step for the algorithms that take it in their own step (``ssgd``,
+        ``noop``, the DDP peers: where a DDP script calls ``scaler.step(optimizer)``); they
+        need ``distribute(..., nonfinite="off")``. The others need the scaler before backward
+        and refuse it here with one line."""
         if self._accumulating:
             raise RuntimeError("engine.step() inside engine.no_sync(): run the last micro-batch's backward "
                                "after the block, then call step()")
-        if scaler is not None and scaler.is_enabled():
-            if not self.bound.scales:
-                raise ValueError(f"{self.algorithm.name} does not take a GradScaler: its codecs and windows hold "
-                                 "gradients across steps in units that change with the scale; use bf16 autocast, "
-                                 "which needs no scaler")
-            if self.guard.active:
-                raise ValueError("engine.step(scaler=...) needs lowband.distribute(..., nonfinite='off'): the "
-                                 "GradScaler skips non-finite steps itself, on every rank alike")
-            self.ctx.scaler = scaler
+        self.ctx.scaler = self._step_scaler(scaler)
         try:
             self._check_trainable()
             if self._taken:
@@ -232,36 +246,55 @@ class Engine:
         finally:
             self.ctx.clip = None
             self.ctx.scaler = None
+            self.guard.end_step()
+
+    def _scaler_refusal(self) -> Optional[str]:
+        """Why the bound algorithm cannot take a GradScaler at all (None: it can)."""
+        reason = self.bound.refuses_scaler
+        if not reason:
+            return None
+        return f"{self.algorithm.name} does not take a GradScaler: {reason}; use bf16 autocast, which needs no scaler"
+
+    def _step_scaler(self, scaler: Optional[Any]) -> Optional[Any]:
+        """The GradScaler the algorithm's own ``step()`` takes this step (``ctx.scaler``), or
+        None: none, or the guard unscales for the algorithm. ValueError for a scaler it cannot
+        take here."""
+        given = scaler if scaler is not None and scaler.is_enabled() else None
+        if self.scaler is not None:
+            if given is not None and given is not self.scaler:
+                raise ValueError("engine.step(scaler=...) got another GradScaler than the one given to "
+                                 "lowband.distribute(..., scaler=...)")
+            return self.scaler if self.bound.scales else None
+        if given is None:
+            return None
+        refusal = self._scaler_refusal()
+        if refusal:
+            raise ValueError(refusal)
+        if not self.bound.scales:
+            name = self.algorithm.name
+            raise ValueError(f"{name} takes a GradScaler through lowband.distribute(..., scaler=scaler, "
+                             f"nonfinite='off'), not engine.step(): the engine unscales every gradient before {name} "
+                             "takes it, during backward")
+        if self.guard.active:
+            raise ValueError("engine.step(scaler=...) needs lowband.distribute(..., nonfinite='off'): the "
+                             "GradScaler skips non-finite steps itself, on every rank alike")
+        return given
 
     def _step(self) -> bool:
         if self._accumulated:
             self._deliver_accumulated()
-        if self.guard.active:
-            step = self.comm.stats.steps + 1
-            carried = self.guard.policy == "raise" and self.bound.carries_finiteness()
-            if not carried:
-                for index, gradient in self.bound.captured_gradients():
-                    self.guard.record(index, gradient)
-            if carried and not self.bound.gradients_applied_late():
-                with self._waiting(not self.guard.pending_carried):
-                    self.guard.expect_carried(step)
-                self.bound.step()         # calls ctx.decide_finiteness before applying anything
-                self.guard.ensure_carried_decided()
-                self.comm.stats.steps += 1
-                return True
-            with self._waiting(not self.guard.pending_carried):
-                if carried:       # settles the previous step's deferred decision first, as start()
-                    self.guard.start_carried(step, self.bound.finiteness_verdict)
-                elif self.guard.policy == "raise" and self.bound.gradients_applied_late():
-                    self.guard.start(step)   # settles the previous step's deferred decision first
-                elif not self.guard.check(step):
-                    self.comm.stats.steps += 1
-                    self.comm.stats.skipped_steps += 1
-                    return False
-            self.guard.replay(self._forward)
-        self.bound.step()
+        # the guard decides about the gradients (policy, scaler) and runs the algorithm's step
+        applied = self.guard.run(self.ctx.steps + 1, self._forward, self._waiting)
+        self._count_step(skipped=not applied)
+        return applied
+
+    def _count_step(self, skipped: bool = False) -> None:
+        """Advance the step counter (``ctx.steps``, the algorithms' clock) and the statistics'
+        copy of it, once per ``step()``."""
+        self.ctx.steps += 1
         self.comm.stats.steps += 1
-        return True
+        if skipped:
+            self.comm.stats.skipped_steps += 1
 
     def _check_trainable(self) -> None:
         """RuntimeError unless every parameter's ``requires_grad`` is what the algorithm was
@@ -465,6 +498,7 @@ class Engine:
             "algorithm_config": self.algorithm.config(),
             "algorithm": self.bound.state_dict(),
             "consecutive_skips": self.guard.consecutive_skips,
+            "steps": self.ctx.steps,
             "stats": self.comm.stats.snapshot(),
         }
 
@@ -474,6 +508,8 @@ class Engine:
         saved = state["algorithm_config"]
         if saved != self.algorithm.config():
             raise ValueError(f"checkpoint was written by {saved}, but this engine runs {self.algorithm.config()}")
+        # the step counter (states saved without it hold the same count in their statistics)
+        self.ctx.steps = int(state.get("steps", state["stats"]["steps"]))
         self.bound.load_state_dict(state["algorithm"])
         self.guard.consecutive_skips = int(state["consecutive_skips"])
         self.comm.stats.load(state["stats"])
@@ -511,6 +547,7 @@ def distribute(
     process_group: Optional[dist.ProcessGroup] = None,
     nonfinite: str = "raise",
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    scaler: Optional[Any] = None,
     **algorithm_options: Any,
 ) -> Engine:
     """Make ``model`` train data-parallel with ``algorithm`` (a registry name such as
@@ -527,9 +564,14 @@ def distribute(
     most ``max_consecutive_skips`` steps in a row are skipped before every rank raises.
     Modules with sparse gradients (``nn.Embedding(sparse=True)``) are refused with a
     ValueError.
+
+    ``scaler``: the ``torch.amp.GradScaler`` of fp16 mixed precision (with
+    ``nonfinite="off"``: the scaler decides about non-finite steps); then
+    ``scaler.scale(loss).backward()``, ``engine.step()``, ``scaler.update()``
+    (:meth:`Engine.step`). bf16 autocast needs no scaler.
     """
     return Engine(model, optimizer, make_algorithm(algorithm, **algorithm_options), process_group, nonfinite,
-                  max_consecutive_skips)
+                  max_consecutive_skips, scaler)
 
 
 def _copy_without_hooks(model: nn.Module) -> nn.Module:

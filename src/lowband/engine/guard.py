@@ -34,14 +34,34 @@ put a barrier on every local step (measured: docs/reliability.md). The time spen
 an exchange is exposed communication and counted as such in ``comm_wait_s``.
 
 An algorithm whose messages already reach every rank from every rank can carry the check
-itself (``BoundAlgorithm.carries_finiteness``: CP-SGD's pipelined buckets mark each
-parameter's non-finite gradient in their flag bytes). For such a step the hook does not test
-the gradients and no exchange runs; the deferred decision is settled at the same points, from
-the per-rank first bad index the algorithm reports (``finiteness_verdict``); a synchronous
-algorithm (``compressed``) reports it inside its ``step()``, after its buckets arrive and
-before the optimizer (``EngineContext.decide_finiteness``). The message, the error and the
-agreement are those of the exchange; the guard's all-reduce and its per-parameter
-tests are gone from the step.
+itself (``BoundAlgorithm.carries_finiteness``: the compressed buckets of ``compressed`` and
+CP-SGD mark each parameter's non-finite gradient in their flag bytes). For such a step the
+hook does not test the gradients and no exchange runs; the algorithm's ``step()`` reports the
+per-rank first bad index through ``EngineContext.decide_finiteness``: the verdict itself
+after its buckets arrive and before the optimizer (``compressed``: decided at once), or a
+callable that returns it (CP-SGD's pipeline: settled at the same points as a deferred
+exchange, still before that step's average reaches the global weights). The message, the
+error and the agreement are those of the exchange; the guard's all-reduce and its
+per-parameter tests are gone from the step.
+
+The guard is the engine's one carrier of this protocol: it makes what the engine's gradient
+hooks do (:meth:`GradientGuard.delivery`), what the algorithm's context reports to
+(:attr:`GradientGuard.carrier`), and runs each ``engine.step()`` around the algorithm's
+``step()`` (:meth:`GradientGuard.run`).
+
+With a ``torch.amp.GradScaler`` handed to ``lowband.distribute(..., scaler=...)`` (and
+``nonfinite="off"``), an algorithm that does not take the scaler in its own ``step()``
+(``BoundAlgorithm.scales`` False) gets the guard in its ``"scale"`` mode, GradScaler's
+semantics agreed by every rank: each gradient is unscaled in the hook as backward produces it
+(``torch._amp_foreach_non_finite_check_and_unscale_``, the operation of ``scaler.unscale_``),
+so the algorithm only ever sees unscaled gradients and whatever it keeps across steps
+(residuals, windows, local steps) is in the units of an fp32 run, whatever the scale does.
+The algorithm is told about the gradients only at ``engine.step()``, as under ``"skip"``,
+once the ranks have exchanged whether any found an inf or NaN; the agreed verdict is recorded
+in the scaler (:class:`ScalerVerdict`), so ``scaler.update()`` backs off (or counts towards
+growth) on every rank alike, and a non-finite step is skipped on every rank with nothing of
+the model, the optimizer or the algorithm's state changed. There is no limit on consecutive
+skips: the scaler keeps backing off, as GradScaler does.
 
 The exchange runs on a dedicated process group: under ``"raise"`` the algorithm's own
 collectives may still be in flight, and their number per rank can differ at this point
@@ -50,8 +70,9 @@ sharing their group would pair the check with a gradient bucket on some rank.
 """
 from __future__ import annotations
 
+import math
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,28 +146,58 @@ def check_policy(policy: str, max_consecutive_skips: int) -> None:
         raise ValueError(f"max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}")
 
 
+class ScalerVerdict:
+    """A step's agreed finiteness as ``GradScaler.unscale_`` reads an optimizer: one 0-dim
+    "parameter" whose gradient is inf when some rank's gradient was not finite, else 0.
+    Unscaling it records that verdict in the scaler through its public interface, so
+    ``scaler.update()`` backs off or counts the step towards growth on every rank alike."""
+
+    def __init__(self, device: torch.device):
+        self.flag = torch.zeros((), dtype=torch.float32, device=device)
+        self.param_groups = [{"params": [self.flag]}]
+
+    def record(self, scaler: Any, nonfinite: bool) -> None:
+        self.flag.grad = torch.full((), math.inf if nonfinite else 0.0, dtype=torch.float32, device=self.flag.device)
+        scaler.unscale_(self)
+
+
 class GradientGuard:
-    """Checks gradients in the engine's hook and decides, with all ranks, whether a step applies."""
+    """Checks gradients in the engine's hook and decides, with all ranks, whether a step applies.
+
+    ``scaler``: a ``torch.amp.GradScaler`` whose scaled gradients this guard unscales and
+    decides about (the ``"scale"`` mode, module docstring); ``policy`` must then be "off"."""
 
     def __init__(self, policy: str, names: Sequence[str], params: Sequence[torch.nn.Parameter],
-                 group: Optional[dist.ProcessGroup], max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS):
+                 group: Optional[dist.ProcessGroup], max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+                 scaler: Optional[Any] = None):
         check_policy(policy, max_consecutive_skips)
-        self.policy = policy
+        if scaler is not None and policy != "off":
+            raise ValueError(f"a GradScaler decides about non-finite steps itself: nonfinite must be 'off', "
+                             f"got {policy!r}")
+        self.policy = "scale" if scaler is not None else policy
+        self.scaler = scaler
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive_skips = 0
         self.names = list(names)
         self.params = list(params)
-        self.deferring = policy == "skip"
+        self.deferring = self.policy in ("skip", "scale")
+        #: "scale" mode: this step's 1 / scale and found-inf flag per device (made at the step's
+        #: first gradient), and the verdict recorded in the scaler
+        self._inv_scale: dict[torch.device, torch.Tensor] = {}
+        self._found_inf: dict[torch.device, torch.Tensor] = {}
+        self._verdict = None if scaler is None else ScalerVerdict(params[0].device if params else torch.device("cpu"))
         self.failed: Optional[NonFiniteGradientError] = None
         self._finite: list[tuple[int, torch.Tensor]] = []
         self._ready: list[int] = []
         self.comm: Optional[Communicator] = None
         self._pending = None   # (step, tensor, work, verdict) of a deferred decision (start/settle)
-        #: whether the gradients now being produced are checked by the algorithm (set by the
-        #: engine: a callable asked in the hook, ``carries_finiteness`` under "raise")
+        #: the bound algorithm whose steps this guard decides about (:meth:`attach`)
+        self.bound = None
+        #: whether the gradients now being produced are checked by the algorithm (a callable
+        #: asked in the hook: the algorithm's ``carries_finiteness`` under "raise")
         self.carried_by: Optional[Callable[[], bool]] = None
         self._expected: Optional[int] = None   # the synchronous step whose carried verdict is due
-        if policy != "off" and dist.get_world_size(group) > 1:
+        if self.policy != "off" and dist.get_world_size(group) > 1:
             # every rank creates it in the same order (inside distribute), as new_group requires
             ranks = dist.get_process_group_ranks(group) if group is not None else None
             group_ = dist.new_group(ranks=ranks, backend="gloo", timeout=group_timeout(group))
@@ -158,10 +209,65 @@ class GradientGuard:
     def active(self) -> bool:
         return self.policy != "off"
 
+    # -- the engine's side -------------------------------------------------------------------
+    @property
+    def carrier(self) -> Optional[Callable[[Any], None]]:
+        """What the algorithm's context reports a carried verdict to
+        (``EngineContext.decide_finiteness``): :meth:`decide_carried` under "raise", the only
+        policy an algorithm may carry; None otherwise (the algorithm checks nothing)."""
+        return self.decide_carried if self.policy == "raise" else None
+
+    def attach(self, bound: Any) -> None:
+        """Decide about the steps of ``bound`` (a ``BoundAlgorithm``) from now on."""
+        self.bound = bound
+        self.carried_by = bound.carries_finiteness if self.policy == "raise" else None
+
+    def delivery(self, index: int, forward: Optional[Callable[[int], None]]) -> Callable[[], None]:
+        """What the engine's gradient hook of parameter ``index`` does outside ``no_sync()``:
+        tell the algorithm (``forward``), through this guard when it is active."""
+        if not self.active:
+            return lambda: forward(index)
+        return lambda: self.on_gradient(index, forward)
+
+    def run(self, step: int, forward: Optional[Callable[[int], None]],
+            waiting: Callable[[bool], ContextManager[None]]) -> bool:
+        """One ``engine.step()`` (``step``: 1-based): decide about this step's gradients as the
+        policy and the algorithm say and run the algorithm's ``step()``. Returns False when
+        the step was skipped on every rank (then the algorithm was told nothing). ``forward``:
+        what deferred gradients are handed to; ``waiting(charge)``: the engine's context that
+        charges the time inside it to the exposed wait (not where a decision the algorithm
+        carries is settled: its own handles charge that)."""
+        bound = self.bound
+        if not self.active:
+            bound.step()
+            return True
+        carried = self.policy == "raise" and bound.carries_finiteness()
+        if not carried:
+            for index, gradient in bound.captured_gradients():
+                self.record(index, gradient)
+        with waiting(not self.pending_carried):
+            if carried:     # settles the previous step's deferred decision first
+                self.expect_carried(step)
+            elif self.policy == "raise" and bound.gradients_applied_late():
+                self.start(step)   # settles the previous step's deferred decision first
+            elif not self.check(step):
+                return False
+        self.replay(forward)
+        bound.step()        # a carrying step reports through ctx.decide_finiteness before applying anything
+        if carried:
+            self.ensure_carried_decided()
+        return True
+
+    # -- the hook's side ---------------------------------------------------------------------
+
     def on_gradient(self, index: int, forward: Optional[Callable[[int], None]]) -> None:
-        """Hook body: record whether this gradient is finite; forward it now unless deferring."""
+        """Hook body: record whether this gradient is finite (``"scale"``: unscale it, which
+        records that); forward it now unless deferring."""
         grad = self.params[index].grad
-        if grad is not None and not (self.carried_by is not None and self.carried_by()):
+        if self.scaler is not None:
+            if grad is not None:
+                self._unscale(grad)
+        elif grad is not None and not (self.carried_by is not None and self.carried_by()):
             self._finite.append((index, all_finite(grad)))
         if self.deferring:
             self._ready.append(index)
@@ -170,13 +276,42 @@ class GradientGuard:
 
     def record(self, index: int, gradient: torch.Tensor) -> None:
         """Check one more gradient contribution of parameter ``index`` that an algorithm holds
-        outside ``.grad`` (:meth:`BoundAlgorithm.captured_gradients`); before the decision."""
-        self._finite.append((index, all_finite(gradient)))
+        outside ``.grad`` (:meth:`BoundAlgorithm.captured_gradients`; ``"scale"``: unscale it
+        in place); before the decision."""
+        if self.scaler is not None:
+            self._unscale(gradient)
+        else:
+            self._finite.append((index, all_finite(gradient)))
+
+    def _unscale(self, grad: torch.Tensor) -> None:
+        """``"scale"``: divide ``grad`` by the scaler's scale in place and note whether it held
+        an inf or NaN, as ``scaler.unscale_`` does it (the scale is read once per step: it
+        changes only in ``scaler.update()``, after the step)."""
+        device = grad.device
+        inv = self._inv_scale.get(device)
+        if inv is None:
+            scale = self.scaler.get_scale()
+            # 1 / scale rounded to fp32 from a float64 quotient, as GradScaler computes it
+            inv = self._inv_scale[device] = torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
+            self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            torch._amp_foreach_non_finite_check_and_unscale_([grad], self._found_inf[device], inv)
+
+    def end_step(self) -> None:
+        """At the end of every ``engine.step()``: forget the scale the hooks read, also when
+        the step raised before its decision, so the next backward reads it afresh."""
+        self._inv_scale.clear()
+        self._found_inf.clear()
 
     def _first_bad(self) -> int:
         """This rank's first parameter index (registration order) with a non-finite gradient.
         The decision is the host's (raise, skip), so the tests are read back: on the CPU one
-        by one (they are host values already), on an accelerator all in one read-back."""
+        by one (they are host values already), on an accelerator all in one read-back.
+        ``"scale"``: 0 when any gradient was not finite (the scaler needs no name)."""
+        if self.scaler is not None:
+            found = any(bool(f) for f in self._found_inf.values())
+            self.end_step()
+            return 0 if found else ALL_FINITE
         if self._finite and all(ok.device.type != "cpu" for _, ok in self._finite) and \
                 len({ok.device for _, ok in self._finite}) == 1:
             return first_false([i for i, _ in self._finite], [ok for _, ok in self._finite])
@@ -204,31 +339,26 @@ class GradientGuard:
         self.settle()
         self._pending = self._exchange(step, async_op=True) + (None,)
 
-    def start_carried(self, step: int, verdict: Callable[[], Sequence[int]]) -> None:
-        """:meth:`start` for a step whose finiteness travels in the algorithm's own messages:
-        no exchange; :meth:`settle` calls ``verdict()`` (per rank, the index of its first
-        parameter with a non-finite gradient, ``ALL_FINITE`` if none; the same on every rank)."""
-        if self.policy != "raise":
-            raise RuntimeError(f"a deferred finiteness decision needs policy 'raise', not {self.policy!r}")
-        self._refuse_if_failed()
-        self.settle()
-        self._finite.clear()
-        self._pending = (step, None, None, verdict)
-
     def expect_carried(self, step: int) -> None:
-        """A synchronous step whose finiteness travels in the algorithm's messages: the
-        algorithm's ``step()`` calls :meth:`decide_carried` before applying anything."""
+        """A step whose finiteness travels in the algorithm's messages: the algorithm's
+        ``step()`` calls :meth:`decide_carried` before applying anything."""
         self._refuse_if_failed()
         self.settle()
         self._finite.clear()
         self._expected = step
 
-    def decide_carried(self, verdict: Sequence[int]) -> None:
-        """The agreed per-rank first bad index of the expected step: raise on every rank if
-        some rank's gradient was not finite."""
+    def decide_carried(self, verdict: "Sequence[int] | Callable[[], Sequence[int]]") -> None:
+        """The expected step's agreed verdict: per rank, the index of its first parameter with
+        a non-finite gradient (``ALL_FINITE`` if none; the same on every rank). A sequence is
+        decided at once (raise on every rank if some rank's gradient was not finite); a
+        callable that returns it is decided later, as a deferred exchange (:meth:`settle`), for
+        a step whose gradients reach the global model only at a later ``step()``."""
         step, self._expected = self._expected, None
         if step is None:
             raise RuntimeError("decide_finiteness called outside a step that carries the finiteness check")
+        if callable(verdict):
+            self._pending = (step, None, None, verdict)
+            return
         self._decide(step, torch.tensor(list(verdict), dtype=torch.int64))
 
     def ensure_carried_decided(self) -> None:
@@ -280,10 +410,12 @@ class GradientGuard:
 
     def _decide(self, step: int, everyone: torch.Tensor) -> bool:
         bad = {r: self.names[int(i)] for r, i in enumerate(everyone.tolist()) if i != ALL_FINITE}
+        if self._verdict is not None:
+            self._verdict.record(self.scaler, bool(bad))
         if not bad:
             self.consecutive_skips = 0
             return True
-        if self.policy == "raise" or self.consecutive_skips >= self.max_consecutive_skips:
+        if self.policy == "raise" or (self.policy == "skip" and self.consecutive_skips >= self.max_consecutive_skips):
             self.failed = NonFiniteGradientError(step, bad, self.consecutive_skips if self.policy == "skip" else 0)
             raise self.failed
         self.consecutive_skips += 1

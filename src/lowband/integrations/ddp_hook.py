@@ -98,7 +98,7 @@ class CompressionHookState:
         self.collective = collective
         self.error_feedback = error_feedback
         self.start_compress_iter = int(start_compress_iter)
-        build_compressor(compressor, self.compressor_options, error_feedback)   # validates options
+        build_compressor(compressor, self.compressor_options)   # validates options
         self.iter = 0
         self.stats = CommStats()
         self.fp32_ring_bytes = 0          # what fp32 ring allreduce would send for the same buckets
@@ -131,8 +131,9 @@ class CompressionHookState:
     def reducer(self) -> CompressedReducer:
         """The compressed collective, built (collectively: it creates a private group) on first use."""
         if self._reducer is None:
-            codec = build_compressor(self.compressor, self.compressor_options, self.error_feedback)
-            self._reducer = make_reducer(self.collective, Communicator(self.process_group, self.stats), codec)
+            codec = build_compressor(self.compressor, self.compressor_options)
+            self._reducer = make_reducer(self.collective, Communicator(self.process_group, self.stats), codec,
+                                         self.error_feedback)
             self._reducer.load_state_dict(self._pending_state)
             self._pending_state = {}
         return self._reducer

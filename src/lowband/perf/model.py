@@ -787,13 +787,35 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
 
 
 def _cp_diloco_h(o: dict) -> int:
-    """cp-diloco's H; ``"auto"`` is decided from time measured in the run, which a projection
-    does not have."""
+    """cp-diloco's H (``"auto"`` is resolved by :func:`_cp_diloco_fit` before this is asked)."""
     H = o.get("sync_every", 16)
     if H == "auto":
-        raise ValueError("cp-diloco: the performance model needs an integer sync_every (auto follows time "
-                         "measured in the run)")
+        raise ValueError("cp-diloco: sync_every='auto' must be resolved against a cluster first")
     return max(1, int(H))
+
+
+def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
+    """``sync_every="auto"`` as the algorithm's rule decides it in a run
+    (:class:`lowband.algorithms.cp_diloco.SyncFitController`), from the model's own times: C, one
+    local step alone, and M, one round's message alone (an unpipelined one-step round less that
+    step and the outer step); H = ceil(M / (0.8 C)) within [min_sync_every, max_sync_every]."""
+    from ..algorithms.cp_diloco import SyncFitController
+    o = _coerced("cp-diloco", o)
+    if o.get("sync_every", 16) != "auto":
+        return o
+    lo, hi = int(o.get("min_sync_every", 1)), int(o.get("max_sync_every", 64))
+
+    def one_step(opts: dict) -> float:
+        st = _Step(prof, cluster)
+        end = _cp_diloco(st, {**o, **opts}, 1)[-1]
+        st.g.run()
+        return st.g.tasks[end].end
+
+    step = one_step({"sync_every": 1 << 30})
+    message = max(0.0, one_step({"sync_every": 1, "pipelined": False}) - step
+                  - 2 * prof.optimizer_s * cluster.compute_scale)
+    fit = math.ceil(message / (SyncFitController(lo, hi).target * step))
+    return {**o, "sync_every": max(lo, min(hi, fit))}
 
 
 def _cp_diloco_cycle(o: dict) -> float:
@@ -952,6 +974,8 @@ def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], c
     ``cycles`` whole cycles (at least 4 steps), and average the steps after the lead-in. Knobs
     not in ``options`` take the registry algorithm's defaults."""
     o = _knobs(algorithm, options)
+    if algorithm == "cp-diloco":
+        o = _cp_diloco_fit(prof, cluster, o)
     cycle = _period(algorithm, o)
     m = MODELS[algorithm]
     lead = max(LEAD_IN_STEPS, cycle * m.lead_cycles) if lead_in is None else max(1, int(lead_in))

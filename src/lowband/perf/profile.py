@@ -561,18 +561,16 @@ def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
     without lowband's layout."""
     import torch
     from ..codecs import build_compressor
-    from ..codecs.error_feedback import ErrorFeedback
 
     options = PROFILE_CODEC_OPTIONS.get(name, {})
     total = int(sum(sizes))
     gen = torch.Generator().manual_seed(0)
     flat = torch.randn(total, generator=gen) * 1e-3
-    codec = build_compressor(name, options, error_feedback=True)
-    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
-    bucket_level = inner.kernel_kind is not None
+    codec = build_compressor(name, options)
+    bucket_level = codec.kernel_kind is not None
     if bucket_level:
-        enc_seg, dec_seg = _time_bucket_codec(inner, flat, list(sizes), reps)
-        enc_flat, dec_flat = _time_bucket_codec(inner, flat, [total], reps)
+        enc_seg, dec_seg = _time_bucket_codec(codec, flat, list(sizes), reps)
+        enc_flat, dec_flat = _time_bucket_codec(codec, flat, [total], reps)
     else:
         enc_seg, dec_seg = _time_codec_per_tensor(name, options, flat, list(sizes), reps)
         enc_flat, dec_flat = _time_codec_per_tensor(name, options, flat, [total], reps)
@@ -588,7 +586,7 @@ def measure_codec(name: str, sizes: Sequence[int], reps: int = 5) -> CodecInfo:
                      decode_gbps=nbytes / max(1e-9, dec_flat - dec_call) / 1e9,
                      encode_call_s=enc_call, decode_call_s=dec_call, payload_ratio=ratio,
                      payload_fixed_bytes=max(0.0, p_small - ratio * 4 * small),
-                     note=f"build_compressor({name!r}, {options}, error_feedback=True), {how}")
+                     note=f"build_compressor({name!r}, {options}) with error feedback, {how}")
 
 
 def _time_bucket_codec(codec, flat, sizes: list[int], reps: int) -> tuple[float, float]:
@@ -608,9 +606,9 @@ def _time_bucket_codec(codec, flat, sizes: list[int], reps: int) -> tuple[float,
 def _time_codec_per_tensor(name: str, options: dict, flat, sizes: list[int], reps: int) -> tuple[float, float]:
     """(encode, decode) seconds of ``compress`` / ``decompress`` of each of ``sizes``' tensors."""
     import torch
-    from ..codecs import build_compressor
+    from ..codecs import ErrorFeedback, build_compressor
     tensors = list(torch.split(flat, sizes))
-    codec = build_compressor(name, options, error_feedback=True)
+    codec = ErrorFeedback(build_compressor(name, options))
 
     def encode():
         return [codec.compress(t, f"s{i}") for i, t in enumerate(tensors)]

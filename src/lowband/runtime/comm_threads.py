@@ -1,4 +1,4 @@
-"""A short scheduler slice for a worker's communication threads (``--comm-slice-us``).
+"""A short scheduler slice for a worker's communication threads.
 
 A worker's training thread computes for the whole step; gloo's threads (``gloo_tcp_loop``,
 ``pt_gloo_runloop``), the store's (``pt_tcpstore_uv``) and lowband's pipeline thread
@@ -16,8 +16,8 @@ is what waits for that wake-up.
 torch's intra-op threads) at the kernel's default. It reads each slice back: a kernel that
 ignores the request (before 6.12) or a platform without the system call reports that nothing
 was applied, and nothing else changes. Only the schedule changes, never a value: the
-trajectory is bit-identical (tests/test_comm_threads.py). Its effect on step time:
-docs/architecture.md.
+trajectory is bit-identical. ``lowband train``'s workers give their communication threads
+:data:`WORKER_SLICE_US` after their first step; its effect on step time: docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ from typing import Optional
 COMM_THREAD_PREFIXES = ("gloo_", "pt_gloo_", "pt_tcpstore", "lowband-")
 #: the kernel's bounds on a custom slice (kernel/sched/syscalls.c), in microseconds
 MIN_SLICE_US, MAX_SLICE_US = 100, 100_000
+#: the slice ``lowband train``'s workers give their communication threads (microseconds): the
+#: shortest the kernel takes
+WORKER_SLICE_US = MIN_SLICE_US
 #: (sched_setattr, sched_getattr) system call numbers per machine
 _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275), "arm64": (274, 275),
              "ppc64le": (355, 356), "s390x": (345, 346), "riscv64": (274, 275)}
@@ -47,11 +50,11 @@ class _SchedAttr(ctypes.Structure):
 
 
 def check_slice(slice_us: int) -> None:
-    """ValueError, one sentence naming the flag, unless ``slice_us`` is 0 (the kernel's
-    default) or a slice the kernel accepts."""
+    """ValueError, one sentence, unless ``slice_us`` is 0 (the kernel's default) or a slice
+    the kernel accepts."""
     if (isinstance(slice_us, bool) or not isinstance(slice_us, int)
             or not (slice_us == 0 or MIN_SLICE_US <= slice_us <= MAX_SLICE_US)):
-        raise ValueError(f"--comm-slice-us must be 0 (the kernel's default) or an integer in "
+        raise ValueError(f"slice_us must be 0 (the kernel's default) or an integer in "
                          f"[{MIN_SLICE_US}, {MAX_SLICE_US}], got {slice_us!r}")
 
 

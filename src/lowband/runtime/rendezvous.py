@@ -9,14 +9,19 @@ to that address only, and hands it to the TCPStore (``master_listen_fd``); the o
 connect as plain clients. Any other master address is an explicit choice (``--master-addr``)
 and keeps torch's default behaviour, as does torchrun (its agent hosts the store; start it
 with ``--master-addr``/``--rdzv-endpoint`` on the interface you mean).
+
+:func:`links_down` tells a worker that lost contact with its peers whether its own network
+interface (``GLOO_SOCKET_IFNAME``) is down, so the cut-off rank can say so.
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
+import struct
 from datetime import timedelta
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch.distributed as dist
 
@@ -24,6 +29,11 @@ import torch.distributed as dist
 LISTEN_BACKLOG = 2048
 #: set by torchrun when its elastic agent hosts the store on MASTER_PORT (we must not bind it)
 TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+#: the interfaces gloo uses (comma-separated), when the launcher or the user names them
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+SIOCGIFFLAGS = 0x8913           # Linux ioctl: an interface's flags
+IFF_UP, IFF_RUNNING = 0x1, 0x40  # administratively up; carrier (operationally up)
+IFREQ = "16s24x"                 # struct ifreq: the name, then a union whose first short is the flags
 
 
 def is_loopback(addr: str) -> bool:
@@ -59,3 +69,30 @@ def init_process_group(backend: str, timeout: timedelta, env: Optional[dict] = N
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     store = loopback_store(addr, int(env["MASTER_PORT"]), rank, world, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def links_down(env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The interfaces named in ``GLOO_SOCKET_IFNAME`` that are down in this process's network
+    namespace: set down, without carrier, or gone. A worker that lost contact with its peers
+    asks this to tell whether it is the one cut off. Empty when no interface is named, or
+    where the flags cannot be read (not Linux)."""
+    names = [n.strip() for n in (os.environ if env is None else env).get(GLOO_IFNAME, "").split(",") if n.strip()]
+    if not names:
+        return []
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    down = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in names:
+            try:
+                reply = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack(IFREQ, name.encode()[:15]))
+            except OSError as e:
+                if e.errno == errno.ENODEV:     # the interface is gone
+                    down.append(name)
+                continue
+            flags = struct.unpack_from("H", reply, 16)[0]
+            if not (flags & IFF_UP and flags & IFF_RUNNING):
+                down.append(name)
+    return down

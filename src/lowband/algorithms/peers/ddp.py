@@ -222,7 +222,7 @@ class BoundDDP(BoundAlgorithm):
     # -- per iteration -------------------------------------------------------------------
     def step(self) -> None:
         if self._t_last_ready is not None and self._t_done is not None:
-            self.ctx.comm.stats.comm_wait_s += max(0.0, self._t_done - self._t_last_ready)
+            self.ctx.charge_wait(max(0.0, self._t_done - self._t_last_ready))
         self._t_last_ready = self._t_done = None
         self.ctx.optimizer_step()         # DDP's .grad holds the average after backward
 
@@ -250,8 +250,11 @@ class BoundDDPPowerSGD(BoundDDP):
     """DDP with PyTorch's PowerSGD hook, bound to one engine: the hook's state (memories, RNG)."""
 
     cfg: DDPPowerSGD
-    #: the hook's error feedback and warm-started factors hold scaled gradients across steps
     scales: ClassVar[bool] = False
+    refuses_scaler: ClassVar[Optional[str]] = (
+        "PyTorch's powerSGD_hook compresses the gradients inside backward, before any rank can know that "
+        "the step has an inf, and keeps error feedback and warm-started factors across steps, which such "
+        "a step would leave non-finite")
 
     def __init__(self, cfg: DDPPowerSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)

@@ -293,7 +293,7 @@ class BoundDiLoCo(BoundAlgorithm):
             self.ctx.clip_gradients([p.grad for p in self.ctx.params])
         self.ctx.optimizer.step()          # torchft's post-step hook launches and performs syncs
         self._step += 1
-        self.ctx.comm.stats.comm_wait_s += self._sync_wait_s - before
+        self.ctx.charge_wait(self._sync_wait_s - before)
         expected = self._step // self._steps_per_sync
         committed = self._manager.current_step()
         if committed != expected:
