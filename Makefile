@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   - venv + lowband + dataset, then the main job (a short multi-worker comparison)
 #   make test   - venv + lowband + dataset, then the test suite
+# and one keeps the results page current:
+#   make results - regenerate docs/results.md's generated sections from their stored results files
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -8,7 +10,7 @@ DATA_DIR ?= /usr/share/datasets/fashion-mnist
 DATA_FILE := $(DATA_DIR)/train-images-idx3-ubyte.gz
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv data bench-overlap clean
+.PHONY: demo test results venv data bench-overlap clean
 
 venv: $(BIN)/.installed
 
@@ -48,6 +50,14 @@ demo: venv data
 test: venv data
 	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Every generated section of RESULTS_DOC (between <!-- lowband:begin NAME ...--> and
+# <!-- lowband:end NAME -->) re-rendered from the results files its marker names (runs/*/results.json),
+# in place; nothing is rerun. A section whose results file is missing stays as it is, and a
+# line names the command that writes the file.
+RESULTS_DOC ?= docs/results.md
+results: venv
+	$(BIN)/python -m lowband.app.report $(RESULTS_DOC)
 
 bench-overlap: venv data
 	$(BIN)/python benchmarks/overlap.py

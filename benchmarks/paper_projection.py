@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plots", default=None, help="directory for speedup-vs-workers plots")
     ap.add_argument("--doc", default=None,
                     help="also write both tables into this markdown file, between its "
-                         f"{SECTION!r} markers (appended when it has none)")
+                         f"{SECTION!r} markers (an error when it has none: a section is never appended)")
     args = ap.parse_args(argv)
     body = "\n".join([
         "#### CP-SGD against synchronous 2-bit (ResNet-50, V100 profile, 56 Gbit/s)", "",

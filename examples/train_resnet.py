@@ -9,9 +9,8 @@ Fashion-MNIST is read from --data-dir (Debian's dataset-fashion-mnist package pu
 
 Mixed precision: on a GPU the forward runs under fp16 autocast with a torch.amp.GradScaler,
 handed to lowband.distribute(scaler=...); engine.step() then does what a DDP script's
-scaler.step(optimizer) does, and a step with inf/NaN is skipped on every rank alike.
-ddp-powersgd refuses a scaler (its hook keeps error feedback across steps), so it runs bf16
-autocast, which needs none. On the CPU there is no GradScaler and no autocast: fp32.
+scaler.step(optimizer) does, and a step with inf/NaN is skipped on every rank alike, with
+every algorithm. On the CPU there is no GradScaler and no autocast: fp32.
 """
 import argparse
 
@@ -62,19 +61,17 @@ def train(args, device: torch.device) -> None:
     # with a GradScaler the scaler decides about non-finite steps (skipped on every rank alike),
     # so lowband's own check is off there; on the CPU it stays at its default ("raise")
     options = dict(o.split("=", 1) for o in args.option)
-    scaler = torch.amp.GradScaler("cuda", enabled=cuda and args.algorithm != "ddp-powersgd")
+    scaler = torch.amp.GradScaler("cuda", enabled=cuda)
     engine = lowband.distribute(model, optimizer, args.algorithm, nonfinite="off" if cuda else "raise",
-                                scaler=scaler if scaler.is_enabled() else None, **options)
-    amp_dtype = torch.float16 if scaler.is_enabled() else torch.bfloat16
+                                scaler=scaler if cuda else None, **options)
     if rank == 0:
-        print(f"{args.algorithm} on {world} ranks, {device.type}, GradScaler {'on' if scaler.is_enabled() else 'off'}",
-              flush=True)
+        print(f"{args.algorithm} on {world} ranks, {device.type}, GradScaler {'on' if cuda else 'off'}", flush=True)
 
     for step in range(1, args.max_steps + 1):
         epoch, i = divmod(step - 1, batches.steps_per_epoch)
         x, y = (t.to(device) for t in train_data.batch(batches.indices(epoch, i)))
         optimizer.zero_grad()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=cuda):
+        with torch.autocast(device.type, dtype=torch.float16, enabled=cuda):
             loss = F.cross_entropy(engine.module(x), y)
         scaler.scale(loss).backward()        # a disabled scaler returns the loss as it is
         engine.step()                        # where DDP calls scaler.step(optimizer)

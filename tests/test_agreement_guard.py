@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowband
+from lowband.algorithms import Finiteness
 from lowband.comm.agreement import describe_difference
 from lowband.app.data import ShardedBatches, make_synthetic
 
@@ -221,7 +222,7 @@ class _ForgetfulCarrier(lowband.SSGD):
 
     def bind(self, ctx):
         bound = super().bind(ctx)
-        bound.carries_finiteness = lambda: True
+        bound.finiteness = lambda: Finiteness.CARRIED
         return bound
 
 

@@ -7,7 +7,9 @@ fp32 units without a scaler, where the same step is skipped by the engine's own 
 (``nonfinite="skip"``):
 
 (a) the inf step is skipped on every rank (no parameter or optimizer state changes, also on
-    the rank whose gradient was finite) and the scale halves on every rank;
+    the rank whose gradient was finite) and the scale halves on every rank; ``ddp-powersgd``,
+    whose comm hook has already folded the inf into its error feedback and factors during
+    backward (checked), holds the state it had before the step again (no trace);
 (b) the scaled run ends where the unscaled one does, within the algorithm's tolerance
     (:data:`TOLERANCE`);
 (c) the replicas hold what the algorithm promises bit for bit (``engine.check_replicas()``), and
@@ -44,8 +46,6 @@ OPTIONS: dict[str, dict] = {
     "diloco": {"sync_every": 4, "timeout_s": 30.0},
     "streaming-diloco": {"sync_every": 4, "timeout_s": 30.0},
 }
-#: refused with one line (their reason: the refusal test)
-REFUSED = {"ddp-powersgd"}
 #: ranks whose gradient holds the inf. ``noop`` shares nothing, so each rank's scaler decides on
 #: its own gradient alone; every rank gets the inf there, so its reference (the guard, which
 #: skips on every rank) skips the same step
@@ -54,7 +54,8 @@ INF_RANKS = {"noop": (0, 1)}
 #: the scale changed six times (doubled five times, halved once). The scale is a power of two,
 #: and multiplying by one is exact in fp32 and bf16 alike (no value here comes near their
 #: range's ends), so the unscaled gradient is the fp32 run's bit for bit, and so is everything
-#: an algorithm computes from it: codes, residuals, windows, local and outer steps. 0 then.
+#: an algorithm computes from it: codes, residuals, windows, local and outer steps, PowerSGD's
+#: factors and error feedback (its hook compresses the unscaled bucket). 0 then.
 #: ``ddp-fp16`` sends the *scaled* average in fp16 (the scaler unscales after the all-reduce, as
 #: with torch's DDP): an element under fp16's normal range (6e-5) loses mantissa bits in the
 #: unscaled run and keeps them in the scaled one, so the few such elements round differently
@@ -91,10 +92,28 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
+def _powersgd_state(engine: "lowband.Engine") -> dict:
+    """``ddp-powersgd``'s state as it checkpoints it (a skipped step's changes put back first)."""
+    return engine.state_dict()["algorithm"]
+
+
+def _same(a, b) -> bool:
+    """Nested dicts, lists, tensors and numbers equal bit for bit."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b
+
+
 def _run(rank: int, world: int, algorithm: str, scaled: bool, poisoned: bool = True) -> dict:
     """STEPS steps of a bf16-autocast loop; with ``scaled``, through a GradScaler (else the
-    guard skips the inf step). With ``poisoned``, an inf goes into ``mid.bias``'s gradient at
-    INF_AT."""
+    guard skips the inf step). With ``poisoned``, an inf goes into ``mid``'s gradients at
+    INF_AT (its weight is a matrix ``ddp-powersgd`` compresses, its bias one it does not).
+    ``ddp-powersgd``'s state is read around the inf step in the scaled run only: the unscaled
+    one puts the skipped step back at the next backward, untouched by the test."""
     torch.manual_seed(0)
     model = TiedLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
@@ -111,10 +130,13 @@ def _run(rank: int, world: int, algorithm: str, scaled: bool, poisoned: bool = T
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = engine.module(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        watch = t == INF_AT and scaled and algorithm == "ddp-powersgd"
         if t == INF_AT:
             before = _state(model, opt)
+            if watch:
+                algorithm_before = _powersgd_state(engine)
             if poisoned and rank in INF_RANKS.get(algorithm, (1,)):
-                loss = loss + math.inf * model.mid.bias.sum()
+                loss = loss + math.inf * (model.mid.weight.sum() + model.mid.bias.sum())
         (scaler.scale(loss) if scaled else loss).backward()
         out["returned"].append(engine.step())
         if scaled:
@@ -122,6 +144,12 @@ def _run(rank: int, world: int, algorithm: str, scaled: bool, poisoned: bool = T
             out["scales"].append(scaler.get_scale())
         if t == INF_AT:
             out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _state(model, opt)))
+        if watch:
+            s = engine.bound.state   # what the hook left: the inf reached every rank's memories
+            out["poisoned"] = {kind: not all(bool(v.isfinite().all()) for v in memory.values())
+                               for kind, memory in (("error", s.error_dict), ("p", s.p_memory_dict),
+                                                    ("q", s.q_memory_dict))}
+            out["no trace"] = _same(_powersgd_state(engine), algorithm_before)
     try:
         engine.check_replicas()
         out["replicas"] = "identical"
@@ -156,7 +184,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         except ValueError as e:
             return str(e)
 
-    return {"powersgd": attempt("ddp-powersgd", False, nonfinite="off", **OPTIONS["ddp-powersgd"]),
+    return {"powersgd at step": attempt("ddp-powersgd", True, nonfinite="off", **OPTIONS["ddp-powersgd"]),
             "guarded": attempt("compressed", False),
             "compressed at step": attempt("compressed", True, nonfinite="off"),
             "ssgd at step": attempt("ssgd", True, nonfinite="off")}
@@ -165,10 +193,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 def _all_runs(rank: int, world: int) -> dict:
     out = {}
     for name in ALGORITHMS:
-        if name in REFUSED:     # bf16 autocast alone
-            out[name] = {"bf16": _run(rank, world, name, False, poisoned=False)}
-        else:
-            out[name] = {"scaled": _run(rank, world, name, True), "reference": _run(rank, world, name, False)}
+        out[name] = {"scaled": _run(rank, world, name, True), "reference": _run(rank, world, name, False)}
     out["refused"] = _refusals(rank, world)
     return out
 
@@ -191,14 +216,6 @@ def expected_scales() -> list[float]:
 def test_gradscaler_with_every_algorithm():
     results = run_distributed(_all_runs, 2, timeout_s=150)
     for name in ALGORITHMS:
-        if name in REFUSED:     # trains under bf16 autocast, which needs no scaler
-            for r in results:
-                assert all(r[name]["bf16"]["returned"]) and r[name]["bf16"]["replicas"] == "identical", name
-            torch.manual_seed(0)
-            start = params_of(TiedLM())
-            assert max_rel_err(results[0][name]["bf16"]["final"], start) > 0.0, name
-            assert max_rel_err(results[0][name]["bf16"]["final"], results[1][name]["bf16"]["final"]) == 0.0, name
-            continue
         for rank, r in enumerate(results):
             scaled, reference = r[name]["scaled"], r[name]["reference"]
             where = (name, rank)
@@ -209,9 +226,13 @@ def test_gradscaler_with_every_algorithm():
             assert scaled["scales"] == expected_scales(), (where, scaled["scales"])
             assert scaled["returned"][INF_AT] is (name in ("ssgd", "noop", "ddp", "ddp-fp16")), where
             assert reference["returned"][INF_AT] is False and reference["unchanged"], where
+            if name == "ddp-powersgd":
+                assert scaled["poisoned"] == {"error": True, "p": True, "q": True}, where
+                assert scaled["no trace"], where
             # (b) the scaled run ends where the fp32 run ends, within the algorithm's tolerance
             tolerance = TOLERANCE.get(name, 0.0)
             for key in ("trained", "final"):
+                assert all(bool(v.isfinite().all()) for v in scaled[key].values()), (where, key)
                 err = max_rel_err(scaled[key], reference[key])
                 assert err <= tolerance, (where, key, err)
             # (c) what the algorithm replicates is identical on every rank
@@ -219,7 +240,8 @@ def test_gradscaler_with_every_algorithm():
         assert max_rel_err(results[0][name]["scaled"]["final"], results[1][name]["scaled"]["final"]) == 0.0, name
     for r in results:
         refused = r["refused"]
-        assert refused["powersgd"].startswith("ddp-powersgd does not take a GradScaler: "), refused
+        assert refused["powersgd at step"].startswith(
+            "ddp-powersgd takes a GradScaler through lowband.distribute(..., scaler=scaler"), refused
         assert refused["guarded"].startswith("lowband.distribute(..., scaler=...) needs nonfinite='off'"), refused
         assert refused["compressed at step"].startswith(
             "compressed takes a GradScaler through lowband.distribute(..., scaler=scaler"), refused

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lowband.app import checkpoint
+from lowband.app.config import TrainConfig
 from lowband.app.cli import main as cli_main
 from lowband.app.metrics import read_jsonl
 
@@ -128,6 +129,27 @@ def test_resume_with_a_different_setup_is_a_usage_error(reference, capsys, chang
     run_dir = reference("ssgd")
     assert cli_main(["train", *FLAGS, *change, "--resume", run_dir]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_options_naming_removed_knobs_resume_at_the_behaviour_the_code_now_has():
+    """A run started by an earlier version with ``--option inline_last_bucket=...`` (a knob
+    ``compressed`` no longer has): continued where that value is the code's one behaviour now,
+    refused with one line naming the knob otherwise."""
+    config = {**TrainConfig(algorithm="compressed").__dict__}
+    for value in (True, "true", "True"):
+        saved = {**config, "algorithm_options": {"inline_last_bucket": value, "warmup_steps": 3}}
+        checkpoint.check_resumable({"world_size": 2, "config": saved},
+                                   {**config, "algorithm_options": {"warmup_steps": 3}}, 2)
+    saved = {**config, "algorithm_options": {"encode_from_gradients": False}}
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.check_resumable({"world_size": 2, "config": saved}, config, 2)
+    assert str(refused.value).startswith("the checkpoint was written with compressed's encode_from_gradients=False, "
+                                         "a knob this version of lowband no longer has: it always runs as "
+                                         "encode_from_gradients=True"), refused.value
+    # the options still compare as before: the knobs the run kept must hold the same values
+    saved = {**config, "algorithm_options": {"inline_last_bucket": True, "warmup_steps": 3}}
+    with pytest.raises(checkpoint.CheckpointError, match="algorithm_options"):
+        checkpoint.check_resumable({"world_size": 2, "config": saved}, config, 2)
 
 
 def test_resume_without_checkpoint_is_a_usage_error(tmp_path, capsys):

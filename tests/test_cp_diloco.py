@@ -124,7 +124,8 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
             continue
         if anchor is None:
             anchor = torch.nn.Parameter(_flat(workers[0]).clone())
-            outer = torch.optim.SGD([anchor], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+            outer = torch.optim.SGD([anchor], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                    nesterov=cfg.nesterov and cfg.outer_momentum > 0)
             base = [_flat(m).clone() for m in workers]
         for m, opt in zip(workers, inner):
             if clip is not None:
@@ -582,7 +583,7 @@ def test_auto_sync_every_measured_agreed_and_trains():
     background thread, timed for real): both ranks run the same rounds with the same H at every
     step, H grows from 1 once the measurements arrive, changes only at round ends, stays in
     [min, max], and the global model's loss falls."""
-    opts = dict(sync_every="auto", max_sync_every=12, correction_every=4)
+    opts = dict(sync_every="auto", min_sync_every=1, max_sync_every=12, correction_every=4)
     a, b = run_distributed(_auto_run, WORLD, opts, 72, None, False, 0.06)
     assert [m["sync_every"] for m in a["metrics"]] == [m["sync_every"] for m in b["metrics"]]
     assert [m["round_end"] for m in a["metrics"]] == [m["round_end"] for m in b["metrics"]]
@@ -605,7 +606,7 @@ def test_auto_sync_every_follows_the_rule_and_resumes_bit_exact(cut):
     and a resume before step ``cut`` (mid-round with a round in flight, or at the round end
     where H changes) continues bit for bit: the H schedule, the local weights and the
     synchronized model."""
-    opts = dict(sync_every="auto", max_sync_every=20, correction_every=3)
+    opts = dict(sync_every="auto", min_sync_every=1, max_sync_every=20, correction_every=3)
     steps = 60
     plain = run_distributed(_auto_run, WORLD, opts, steps, None, True)
     resumed = run_distributed(_auto_run, WORLD, opts, steps, cut, True)

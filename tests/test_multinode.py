@@ -143,14 +143,8 @@ class TwoHosts:
         return Job(procs, logs, run_dir)
 
     def link(self, host: int, up: bool) -> None:
-        """Set ``host``'s end of its link (its veth) down or up. Up again, the kernel re-adds the
-        subnet's route without the cluster's ``congctl``, so it is put back as the cluster built it."""
-        c = self.cluster
-        subprocess.run(["ip", "-n", c.worker_ns[host], "link", "set", "dev", c.worker_if[host],
-                        "up" if up else "down"], check=True)
-        if up:
-            subprocess.run(netem.cluster._data_route(c.worker_ns[host], c.worker_if[host], c.addresses[host]),
-                           check=True)
+        """Cut ``host``'s link or restore it (:meth:`lowband.netem.EmulatedCluster.set_link`)."""
+        self.cluster.set_link(host, up)
 
 
 def final_state(run_dir: str, rank: int) -> dict:

@@ -3,6 +3,7 @@ namespaces, and that nothing is left behind on exit, Ctrl-C, SIGTERM or SIGKILL.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -245,6 +246,62 @@ def test_connections_over_the_emulated_link_use_the_linux_default_congestion_con
                 client.communicate("", timeout=10)
         finally:
             srv.communicate("", timeout=10)
+
+
+def _connect(c: EmulatedCluster, rank: int, to: int, port: int) -> str:
+    """Open a TCP connection from ``rank``'s namespace to ``to``'s address: "ok", or the error."""
+    probe = ("import socket, sys\n"
+             "try:\n"
+             "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close(); print('ok')\n"
+             "except OSError as e:\n"
+             "    print(type(e).__name__, e.errno)\n")
+    return subprocess.run([*c.worker_prefix(rank), sys.executable, "-c", probe, c.addresses[to], str(port)],
+                          capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+
+
+@needs_netns
+def test_set_link_cuts_a_worker_off_and_restores_its_route_with_cubic() -> None:
+    """Down: the worker cannot open a connection (its namespace has no route to the subnet), and
+    both ends of its veth are down. Up: connections go through again, over a route that carries
+    the cluster's congestion control, and the shaping is still there."""
+    server = ("import socket, sys\n"
+              "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind((sys.argv[1], 29412)); s.listen(); print('ready', flush=True)\n"
+              "while True:\n"
+              "    s.accept()[0].close()\n")
+
+    def route(c: EmulatedCluster) -> str:
+        return subprocess.run(["ip", "-n", c.worker_ns[1], "route", "show", f"{netem.cluster.SUBNET_PREFIX}.0/24"],
+                              capture_output=True, text=True, check=True).stdout
+
+    def state(ns: str, dev: str) -> str:
+        info = subprocess.run(["ip", "-n", ns, "-j", "link", "show", "dev", dev],
+                              capture_output=True, text=True, check=True).stdout
+        return "UP" if "UP" in json.loads(info)[0]["flags"] else "DOWN"
+
+    with EmulatedCluster(2, 50 * 10**6) as c:
+        srv = subprocess.Popen([*c.worker_prefix(0), sys.executable, "-c", server, c.addresses[0]],
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "ready"
+            assert _connect(c, 1, 0, 29412) == "ok"
+            c.set_link(1, up=False)
+            assert route(c) == ""
+            assert _connect(c, 1, 0, 29412) == f"OSError {errno.ENETUNREACH}"
+            assert (state(c.worker_ns[1], c.worker_if[1]), state(c.hub_ns, c.hub_if[1])) == ("DOWN", "DOWN")
+            c.set_link(1, up=True)
+            assert f"congctl {netem.cluster.CONGESTION_CONTROL}" in route(c), route(c)
+            assert _connect(c, 1, 0, 29412) == "ok"
+            assert (state(c.worker_ns[1], c.worker_if[1]), state(c.hub_ns, c.hub_if[1])) == ("UP", "UP")
+            for ns, dev in ((c.worker_ns[1], c.worker_if[1]), (c.hub_ns, c.hub_if[1])):
+                qd = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                                    text=True, check=True).stdout
+                assert "tbf" in qd, qd
+            with pytest.raises(IndexError):
+                c.set_link(2, up=False)
+        finally:
+            srv.kill()
+            srv.wait()
 
 
 @needs_netns

@@ -3,7 +3,9 @@ fresh model/optimizer/engine, load, M more steps == N+M uninterrupted steps, bit
 from __future__ import annotations
 
 import io
+from typing import Optional
 
+import pytest
 import torch
 
 import lowband
@@ -65,7 +67,10 @@ def _workload(kind: str, rank: int, world: int):
     return fresh, data
 
 
-def _roundtrip(rank: int, world: int, algorithm: str, options: dict, kind: str = "") -> bool:
+def _roundtrip(rank: int, world: int, algorithm: str, options: dict, kind: str = "",
+               saved_knobs: Optional[dict] = None) -> bool:
+    """``saved_knobs``: knobs added to the saved algorithm configuration before it is loaded,
+    as a checkpoint of an earlier version lists them."""
     make, data = _workload(kind, rank, world)
 
     def fresh():
@@ -93,6 +98,7 @@ def _roundtrip(rank: int, world: int, algorithm: str, options: dict, kind: str =
 
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
+    state["engine"]["algorithm_config"].update(saved_knobs or {})
     model2, opt2, engine2 = fresh()
     model2.load_state_dict(state["model"])
     opt2.load_state_dict(state["opt"])
@@ -121,3 +127,45 @@ def test_state_roundtrip_of_every_algorithm():
         assert sorted(per_rank) == sorted([*(set(lowband.ALGORITHMS) - NO_CHECKPOINTS), *VARIANTS])
         failed = [a for a, ok in per_rank.items() if not ok]
         assert not failed, f"resumed != uninterrupted for {failed}"
+
+
+#: knobs that checkpoints of earlier versions of ``compressed`` and ``cpsgd`` list, at the values
+#: whose paths the code now always takes, and the other value of each
+OLD_KNOBS = {
+    "compressed": {"inline_last_bucket": (True, False), "encode_from_gradients": (True, False),
+                   "gradient_as_bucket_view": (False, True)},
+    "cpsgd": {"inline_last_bucket": (True, False)},
+}
+
+
+def _old_checkpoints(rank: int, world: int, algorithm: str) -> dict:
+    knobs, options = OLD_KNOBS[algorithm], OPTIONS[algorithm]
+    out = {"resumed": _roundtrip(rank, world, algorithm, options, saved_knobs={k: v for k, (v, _) in knobs.items()})}
+    model, opt = _workload("", rank, world)[0]()
+    engine = lowband.distribute(model, opt, algorithm, **options)
+    state = engine.state_dict()
+    try:
+        for knob, (_, other) in knobs.items():
+            saved = {**state, "algorithm_config": {**state["algorithm_config"], knob: other}}
+            try:
+                engine.load_state_dict(saved)
+                out[knob] = "no error"
+            except ValueError as e:
+                out[knob] = str(e)
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("algorithm", sorted(OLD_KNOBS))
+def test_a_checkpoint_listing_removed_knobs_resumes_at_the_behaviour_they_chose(algorithm):
+    """An earlier version's checkpoint lists knobs this version no longer has: at the value of
+    the path the code now always takes it continues the run bit for bit; at the other value
+    it is refused with one line naming the knob."""
+    for per_rank in run_distributed(_old_checkpoints, 2, algorithm):
+        assert per_rank["resumed"] is True, "resumed != uninterrupted"
+        for knob, (now, other) in OLD_KNOBS[algorithm].items():
+            message = per_rank[knob]
+            assert message.startswith(f"the checkpoint was written with {algorithm}'s {knob}={other!r}, a knob this "
+                                      "version of lowband no longer has"), message
+            assert f"it always runs as {knob}={now!r}" in message and "\n" not in message, message

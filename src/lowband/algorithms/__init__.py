@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Algorithm, EngineContext, OptionError, check_fields, check_options
+from .base import Algorithm, EngineContext, Finiteness, OptionError, check_fields, check_options
 from .compressed import CompressedSGD
 from .cpsgd import CPSGD
 from .cp_diloco import CPDiLoCo
@@ -61,5 +61,5 @@ def make_algorithm(spec: "str | Algorithm", **options: Any) -> Algorithm:
         raise ValueError(f"bad options for algorithm {spec!r}: {e}") from None
 
 
-__all__ = ["Algorithm", "EngineContext", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "CPDiLoCo", "LazyUpdate", "DDP", "DDPFP16", "DDPPowerSGD",
+__all__ = ["Algorithm", "EngineContext", "Finiteness", "SSGD", "NoComm", "CompressedSGD", "CPSGD", "CPDiLoCo", "LazyUpdate", "DDP", "DDPFP16", "DDPPowerSGD",
            "LocalSGD", "DiLoCo", "StreamingDiLoCo", "ALGORITHMS", "register", "make_algorithm"]

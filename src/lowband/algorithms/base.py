@@ -33,7 +33,7 @@ import math
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -68,6 +68,47 @@ class GradientClip:
         return total
 
 
+@dataclass(frozen=True)
+class Finiteness:
+    """What an algorithm declares about one iteration to the engine's non-finite gradient
+    check (:mod:`lowband.engine.guard`), through :meth:`BoundAlgorithm.finiteness`: when its
+    gradients can first reach another rank or the global model, and where it holds gradients
+    outside ``.grad``. The guard takes every other part of the protocol."""
+
+    #: ``"now"`` (:attr:`NOW`): this ``step()`` may send the gradients to another rank or
+    #: apply them to the global model, so every rank decides before the algorithm's ``step()``.
+    #: ``"late"`` (:attr:`LATE`): they reach another rank or the global model only at a later
+    #: ``step()`` (a depth-1 pipeline, a local step between averages): under the policy
+    #: "raise" the ranks' exchange runs behind the next iteration and is decided at the next
+    #: ``step()`` (or ``synchronize``, ``state_dict``, ``global_model``, ``check_replicas``),
+    #: with no per-step barrier.
+    #: ``"carried"`` (:attr:`CARRIED`): the algorithm's own messages, which reach every rank
+    #: from every rank, test every gradient of the iteration. Under the policy "raise" (the
+    #: only one an algorithm may carry; ``ctx.decide_finiteness`` is set then) the engine
+    #: neither tests nor exchanges anything, and ``step()`` must report the verdict through
+    #: ``ctx.decide_finiteness`` before it applies anything (the engine raises if it does not).
+    #: Under the other policies the check is the engine's, and ``"late"`` and ``"carried"``
+    #: are decided as ``"now"``.
+    mode: str = "now"
+    #: gradient contributions of the iteration that the algorithm holds outside ``.grad`` (the
+    #: lazy update's tied-weight split): a callable that returns ``(parameter index, tensor)``
+    #: pairs, which the engine reads at ``step()`` and checks with the rest (under a GradScaler:
+    #: unscales in place) before its decision; not with ``"carried"``. None: none
+    captured: Optional[Callable[[], Sequence[tuple[int, torch.Tensor]]]] = None
+
+    MODES: ClassVar[tuple[str, ...]] = ("now", "late", "carried")
+    NOW: ClassVar["Finiteness"]
+    LATE: ClassVar["Finiteness"]
+    CARRIED: ClassVar["Finiteness"]
+
+    def __post_init__(self) -> None:
+        if self.mode not in self.MODES:
+            raise ValueError(f"Finiteness mode must be one of {', '.join(self.MODES)}, got {self.mode!r}")
+
+
+Finiteness.NOW, Finiteness.LATE, Finiteness.CARRIED = (Finiteness(m) for m in Finiteness.MODES)
+
+
 @dataclass
 class EngineContext:
     """What an algorithm is bound to. ``params`` holds the trainable parameters in
@@ -79,8 +120,8 @@ class EngineContext:
     params: list[nn.Parameter]
     comm: Communicator
     #: set when the engine's finiteness policy is "raise", the only one an algorithm may carry
-    #: (:meth:`BoundAlgorithm.carries_finiteness`; None: do not check, the guard does or no one
-    #: does). A step that carries it reports its verdict here before it applies anything: per
+    #: (:attr:`Finiteness.CARRIED`; None: do not check, the guard does or no one does). A step
+    #: that carries it reports its verdict here before it applies anything: per
     #: rank, the index of its first parameter with a non-finite gradient (-1: none; the same on
     #: every rank). Called with that list (after the step's communication, before the
     #: optimizer) it raises :class:`lowband.NonFiniteGradientError` on every rank for a bad
@@ -104,6 +145,12 @@ class EngineContext:
     #: it once per ``step()``, carries it across :meth:`lowband.Engine.rebuild` and saves and
     #: restores it with its state, so a resumed run continues the same clock
     steps: int = 0
+    #: whether the engine may skip a step on every rank after its backward has run (the policy
+    #: "skip", a GradScaler's inf step: :mod:`lowband.engine.guard`); ``step()`` is then not
+    #: called for it. Set before the first backward. An algorithm whose own code runs inside
+    #: backward and keeps state across steps (``ddp-powersgd``'s comm hook) keeps what that code
+    #: changes until the step applies, and puts it back when the step was skipped
+    skippable: bool = False
 
     def optimizer_step(self) -> None:
         """The optimizer step of ``.grad`` as it is now, for an algorithm whose ``.grad`` then
@@ -157,11 +204,40 @@ class Algorithm(ABC):
     Validation of the knobs belongs in ``__post_init__``; state belongs in the bound object."""
 
     name: ClassVar[str] = "base"
+    #: knobs that earlier versions of the algorithm had and this one no longer has, each with
+    #: the value whose behaviour the code now always has. A configuration saved with that value
+    #: (a checkpoint's) describes what this version runs, and is read without the knob; one
+    #: saved with another value describes a run this version does not continue
+    #: (:meth:`current_config`)
+    removed_knobs: ClassVar[Mapping[str, Any]] = {}
 
     def config(self) -> dict[str, Any]:
         """The knobs, as plain data (logged, and compared across ranks)."""
         cfg = dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
         return {"algorithm": self.name, **{k: v for k, v in cfg.items() if not k.startswith("_")}}
+
+    @classmethod
+    def current_config(cls, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """``saved`` (this algorithm's knobs as an earlier version wrote them: a checkpoint's
+        ``config()``, a run's options) without the :attr:`removed_knobs` that hold the value
+        this version always runs with (strings such as the CLI's ``"false"`` are read as the
+        knob's type). ValueError, one line naming the knob, for one that holds another value:
+        the run it describes took the path this version no longer has, so this version does
+        not continue it."""
+        current = dict(saved)
+        for knob, now in cls.removed_knobs.items():
+            if knob not in current:
+                continue
+            value = current.pop(knob)
+            try:
+                same = _coerce(type(now), value, f"option {knob!r}") == now
+            except OptionError:
+                same = False
+            if not same:
+                raise ValueError(f"the checkpoint was written with {cls.name}'s {knob}={value!r}, a knob this "
+                                 f"version of lowband no longer has: it always runs as {knob}={now!r}, so it cannot "
+                                 "continue that run; resume with the lowband version that wrote it")
+        return current
 
     @abstractmethod
     def bind(self, ctx: EngineContext) -> "BoundAlgorithm":
@@ -193,8 +269,6 @@ class BoundAlgorithm(ABC):
     #: it and decides about a non-finite step with every rank (:mod:`lowband.engine.guard`), so
     #: the algorithm only sees unscaled gradients and keeps nothing in units of the scale
     scales: ClassVar[bool] = False
-    #: why the algorithm cannot train with a GradScaler at all (one line; None: it can)
-    refuses_scaler: ClassVar[Optional[str]] = None
 
     def __init__(self, cfg: Algorithm, ctx: EngineContext) -> None:
         self.cfg = cfg
@@ -224,31 +298,13 @@ class BoundAlgorithm(ABC):
     def drain(self) -> None:
         """Finish all in-flight work so the model holds the global weights."""
 
-    def captured_gradients(self) -> "list[tuple[int, torch.Tensor]]":
-        """Gradient contributions of this iteration that the algorithm captured outside
-        ``.grad`` (``(parameter index, tensor)``), so that the engine's finiteness guard checks
-        them with the rest before ``step()`` (the lazy update's tied-weight split)."""
-        return []
-
-    def gradients_applied_late(self) -> bool:
-        """True if the coming ``step()`` lets this iteration's gradients reach the global
-        model (or any other rank) only at a later ``step()`` (a depth-1 pipeline; a local step
-        between averages), so the engine's finiteness check may be decided at the start of
-        the next one, overlapping with the next iteration and with no per-step barrier
-        (:mod:`lowband.engine.guard`). Asked once per iteration, before ``step()``."""
-        return False
-
-    def carries_finiteness(self) -> bool:
-        """True if this iteration's gradients are checked for NaN/Inf by the algorithm itself,
-        inside its own messages, so that the engine's guard needs neither its per-gradient test
-        nor its exchange (:mod:`lowband.engine.guard`). Only asked when the guard's policy is "raise";
-        then every gradient of the iteration, captured ones included, must be checked, and
-        ``step()`` must report the verdict through ``ctx.decide_finiteness`` before it applies
-        anything (the engine raises if it does not): the verdict itself, or, where this
-        iteration's gradients reach the global model only at a later ``step()``, a callable
-        that returns it then. Asked during backward (in the gradient hook) and before
-        ``step()``; it must give the same answer throughout one iteration."""
-        return False
+    def finiteness(self) -> Finiteness:
+        """This iteration's declaration to the engine's non-finite gradient check
+        (:class:`Finiteness`): when its gradients can first reach another rank or the global
+        model, whether the algorithm's messages carry the check, and gradients it holds outside
+        ``.grad``. Asked during backward (in the gradient hook) and before ``step()``; the
+        answer must not change within one iteration. Default: :attr:`Finiteness.NOW`."""
+        return Finiteness.NOW
 
     def global_parameters(self) -> "Optional[list[torch.Tensor]]":
         """The global model's parameter values, aligned with ``ctx.params``, for evaluating or

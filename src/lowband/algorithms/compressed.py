@@ -16,7 +16,7 @@ from ..comm.wire import MIB
 from ..codecs import COMPRESSORS, build_compressor
 from ..comm.pipeline import Handle
 from ..comm.reducer import CompressedReducer, make_reducer
-from .base import Algorithm, BoundAlgorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext, Finiteness
 from .warmup import DEFAULT_COMPRESSION_WARMUP_STEPS, Warmup
 from .buckets import Bucket, BucketSet
 
@@ -91,6 +91,9 @@ class CompressedSGD(Algorithm):
     compress_vectors: bool = False
 
     name: ClassVar[str] = "compressed"
+    #: knobs of earlier versions, each with the value of the path the code now always takes (above)
+    removed_knobs: ClassVar[dict[str, Any]] = {
+        "inline_last_bucket": True, "encode_from_gradients": True, "gradient_as_bucket_view": False}
 
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
@@ -138,10 +141,14 @@ class BoundCompressedSGD(BoundAlgorithm):
         they are (not in a warm-up step)."""
         self.buckets.by_reference = self.encodes_from_gradients and not self.warmup.active(self.steps_done)
 
-    def carries_finiteness(self) -> bool:
-        """Compressed steps mark each parameter's NaN/Inf in their buckets' flag bytes, which
-        every rank receives from every rank; ``step()`` reports the verdict before the
-        optimizer runs. Warm-up steps (fp32 all-reduces) leave the check to the engine's guard."""
+    def finiteness(self) -> Finiteness:
+        """Compressed steps carry the check: they mark each parameter's NaN/Inf in their
+        buckets' flag bytes, which every rank receives from every rank, and ``step()`` reports
+        the verdict before the optimizer runs. Warm-up steps (fp32 all-reduces) are decided by
+        the engine before ``step()``."""
+        return Finiteness.CARRIED if self._carries_finiteness() else Finiteness.NOW
+
+    def _carries_finiteness(self) -> bool:
         return self.checks_finite and not self.warmup.active(self.steps_done)
 
     def _launch(self, b: Bucket) -> Handle:
@@ -163,7 +170,7 @@ class BoundCompressedSGD(BoundAlgorithm):
         self.buckets.mark_ready(index, overlap=self.cfg.overlap)
 
     def step(self) -> None:
-        carried = self.carries_finiteness()
+        carried = self._carries_finiteness()
         self.buckets.launch_remaining()
         for b in self.buckets.buckets:
             averaged = b.handle.wait()

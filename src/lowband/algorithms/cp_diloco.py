@@ -93,7 +93,7 @@ import torch.distributed as dist
 from ..codecs import build_compressor
 from ..comm.reducer import make_reducer
 from ..runtime.device import to_device
-from .base import Algorithm, BoundAlgorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext, Finiteness
 from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments
 from .warmup import Warmup, share_bounds
 
@@ -367,11 +367,11 @@ class BoundCPDiLoCo(BoundAlgorithm):
             return False, ((lo, hi) if hi > lo else None)
         return False, None
 
-    def gradients_applied_late(self) -> bool:
+    def finiteness(self) -> Finiteness:
         """As localsgd: a step that only moves this rank's replica lets the engine decide its
         finiteness at the next ``step()``; warm-up steps and round ends decide at once, before
         anything of them is sent."""
-        return not self.warmup.active(self.t) and not self.ends_round(self.t)
+        return Finiteness.NOW if self.warmup.active(self.t) or self.ends_round(self.t) else Finiteness.LATE
 
     # -- flat views ----------------------------------------------------------------------
     def _flat_params(self) -> torch.Tensor:

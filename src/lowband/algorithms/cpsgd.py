@@ -50,7 +50,7 @@ from ..comm.wire import MIB
 from ..codecs import build_compressor
 from ..runtime.device import to_device
 from ..comm.reducer import make_reducer
-from .base import Algorithm, BoundAlgorithm, EngineContext, GradientClip
+from .base import Algorithm, BoundAlgorithm, EngineContext, Finiteness, GradientClip
 from .buckets import Bucket, BucketSet
 from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments, first_nonfinite
 from ..optim.tentative import (FusedAdamStep, FusedSGDStep, TentativeStep, closed_form_kind, hyperparameters,
@@ -214,6 +214,8 @@ class CPSGD(Algorithm):
     local_lr: Optional[float] = None
 
     name: ClassVar[str] = "cpsgd"
+    #: a knob of earlier versions, with the value of the path the code now always takes (above)
+    removed_knobs: ClassVar[dict[str, Any]] = {"inline_last_bucket": True}
 
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective,
@@ -336,14 +338,18 @@ class BoundCPSGD(BoundAlgorithm):
         lo, hi = share_bounds(b.numel, self.period, j)
         return (lo, hi) if hi > lo else None
 
-    def gradients_applied_late(self) -> bool:
-        """After the warm-up, step t's average reaches W only at step t + 1."""
-        return not self.in_warmup(self.t)
+    def finiteness(self) -> Finiteness:
+        """After the warm-up, step t's average reaches W only at step t + 1: pipelined
+        compressed steps carry the check (they mark each parameter's NaN/Inf in their buckets'
+        flag bytes, the reducer's ``check_finite``, which every rank receives from every rank;
+        the verdict is settled before that average reaches W), burst steps (fp32 all-reduces)
+        leave it to the engine's exchange, decided late. Warm-up steps are decided before
+        ``step()``."""
+        if self.in_warmup(self.t):
+            return Finiteness.NOW
+        return Finiteness.CARRIED if self._carries_finiteness() else Finiteness.LATE
 
-    def carries_finiteness(self) -> bool:
-        """Pipelined compressed steps mark each parameter's NaN/Inf in their buckets' flag
-        bytes (the reducer's ``check_finite``), which every rank receives from every rank;
-        warm-up and burst steps (fp32 all-reduces) leave the check to the engine's guard."""
+    def _carries_finiteness(self) -> bool:
         return self.checks_finite and not self.in_warmup(self.t) and not self.is_burst(self.t)
 
     # -- iteration ----------------------------------------------------------------------
@@ -390,7 +396,7 @@ class BoundCPSGD(BoundAlgorithm):
         else:
             flight = self._launching
             flight.seal([b.handle for b in self.buckets.buckets], self._measure)
-            if self.carries_finiteness():   # decided before this average reaches W, at step t + 1
+            if self._carries_finiteness():   # decided before this average reaches W, at step t + 1
                 self.ctx.decide_finiteness(flight.nonfinite_first)
             # the average is clipped and applied with the request and settings of this step
             # when it reaches W (a step later, or at drain())

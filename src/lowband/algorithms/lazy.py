@@ -50,7 +50,7 @@ from ..comm.agreement import check_agreement
 from ..comm.communicator import flatten
 from ..comm.wire import MIB
 from ..optim.tentative import hyperparameters, unhooked_step, using_hyperparameters
-from .base import Algorithm, BoundAlgorithm, EngineContext, GradientClip
+from .base import Algorithm, BoundAlgorithm, EngineContext, Finiteness, GradientClip
 from .buckets import Bucket, BucketSet
 
 VARIANTS = ("probe", "vote")
@@ -272,6 +272,7 @@ class BoundLazyUpdate(BoundAlgorithm):
         self._uses: list[tuple[str, str, int]] = []      # tied="split": (module, attribute, index)
         self._aliases: dict[int, torch.Tensor] = {}     # tied use -> this iteration's alias
         self._alias_step = -1    # the engine's step count when the aliases were made
+        self._finiteness = Finiteness(captured=self._captured_gradients)
         self._set_plan(None)
         self.tau = 1
         self.n = 0
@@ -358,7 +359,12 @@ class BoundLazyUpdate(BoundAlgorithm):
             modules[name]._parameters[attr] = self.ctx.params[i]
         self._aliases.clear()
 
-    def captured_gradients(self) -> list[tuple[int, torch.Tensor]]:
+    def finiteness(self) -> Finiteness:
+        """Decided before ``step()``, with the tied weights' lookup parts (``tied="split"``),
+        which backward leaves in the aliases' ``.grad``, checked with the rest."""
+        return self._finiteness
+
+    def _captured_gradients(self) -> list[tuple[int, torch.Tensor]]:
         return [(self._uses[use][2], a.grad) for use, a in self._aliases.items() if a.grad is not None]
 
     def _take_split(self) -> list[Optional[torch.Tensor]]:

@@ -12,7 +12,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from .base import Algorithm, BoundAlgorithm, EngineContext
+from .base import Algorithm, BoundAlgorithm, EngineContext, Finiteness
 from ..comm.communicator import flatten, unflatten_into
 
 
@@ -36,11 +36,11 @@ class BoundNoComm(BoundAlgorithm):
     def step(self) -> None:
         self.ctx.optimizer_step()         # the local gradient (there is no other)
 
-    def gradients_applied_late(self) -> bool:
+    def finiteness(self) -> Finiteness:
         """The ranks' replicas never meet, so no rank's NaN can poison another's: the
         engine's finiteness check is decided one step late, and the compute-only reference
         pays no per-step barrier (a NaN still stops every rank, one step later)."""
-        return True
+        return Finiteness.LATE
 
     def drain(self) -> None:
         with torch.no_grad():

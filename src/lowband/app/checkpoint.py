@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..algorithms import ALGORITHMS
 from ..runtime import faults
 from ..runtime.device import to_device
 
@@ -57,7 +58,9 @@ RESUMABLE_CHANGES = frozenset({
 #: before them had: a checkpoint that lacks one is compared as if it held that value
 ADDED_FIELDS = {"micro_batches": 1}
 #: configuration fields that checkpoints of earlier versions hold and this version no longer has
-#: (none of them altered a trajectory): left out of the comparison
+#: (none of them altered a trajectory): left out of the comparison. An algorithm's removed knobs
+#: are its own (``Algorithm.removed_knobs``), in ``algorithm_options`` here and in each rank's
+#: engine state
 REMOVED_FIELDS = frozenset({"comm_slice_us"})
 
 
@@ -174,6 +177,13 @@ def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size
         raise CheckpointError(f"the checkpoint was written by {saved} workers, but this run has {world_size}; "
                               f"resume with {how} (a checkpoint resumes only at the world size that wrote it)")
     saved = {k: v for k, v in {**ADDED_FIELDS, **manifest.get("config", {})}.items() if k not in REMOVED_FIELDS}
+    algorithm = ALGORITHMS.get(saved.get("algorithm"))
+    if algorithm is not None and saved.get("algorithm_options"):
+        # the algorithm's own removed knobs (Algorithm.removed_knobs), as the engine reads its state
+        try:
+            saved["algorithm_options"] = algorithm.current_config(saved["algorithm_options"])
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     config = {**ADDED_FIELDS, **config}
     differ = sorted(k for k in set(saved) | set(config)
                     if k not in RESUMABLE_CHANGES and saved.get(k) != config.get(k))

@@ -296,8 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="runs/bench", help="output directory (default: %(default)s)")
     b.add_argument("--fallback-loopback", action="store_true",
                    help="if network emulation is unavailable, run over loopback instead of failing")
-    b.add_argument("--doc", default=None, help="also update a generated section of this markdown file")
-    b.add_argument("--section", default="bench", help="name of that section (default: %(default)s)")
+    b.add_argument("--doc", default=None,
+                   help="also replace a generated section of this markdown file, in place: the one between "
+                        "'<!-- lowband:begin NAME -->' and '<!-- lowband:end NAME -->' (checked before any run)")
+    b.add_argument("--section", default="bench", help="NAME of that section (default: %(default)s)")
     b.add_argument("--repeat", type=int, default=1,
                    help="run the whole list this many times, round-robin, and report for each configuration "
                         "the run with the median step time, and per round its ratio to the same round's noop "
@@ -308,9 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="re-render a bench results file as a table, plots and docs section")
     r.add_argument("results", help="results.json written by `lowband bench`")
-    r.add_argument("--doc", default=None, help="markdown file whose benchmark section is replaced")
+    r.add_argument("--doc", default=None,
+                   help="markdown file whose generated section (between '<!-- lowband:begin NAME -->' and "
+                        "'<!-- lowband:end NAME -->') is replaced in place; `make results` regenerates them all")
     r.add_argument("--images", default=None, help="directory for the plots (default: next to the results file)")
-    r.add_argument("--section", default="bench", help="name of the generated section (default: %(default)s)")
+    r.add_argument("--section", default="bench", help="NAME of the generated section (default: %(default)s)")
 
     pr = sub.add_parser("profile", help="measure a model's per-layer compute, codec and peer-engine costs (a JSON profile)",
                         description="Measure, on this machine and one worker, forward time, per-parameter backward "
@@ -461,7 +465,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import RESULTS_FILE, run_on_link
     from .runner import RunFailed
     from .metrics import read_jsonl, write_json_atomic
-    from .report import derive, eval_points, plot, print_tables, render_section, update_doc
+    from .report import derive, eval_points, find_section, plot, print_tables, write_section
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if not algorithms:
@@ -470,6 +474,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise UsageError(f"--repeat must be an integer >= 1, got {args.repeat}")
     check_output_dir(args.out, "--out")
+    if args.doc:                 # a section to replace, not one to append after hours of runs
+        try:
+            find_section(args.doc, args.section)
+        except ValueError as e:
+            raise UsageError(f"--doc: {e}") from None
     burst = parse_burst(args.burst, args.bandwidth)
     rtt = parse_rtt(args.rtt, args.bandwidth)
     links = parse_bandwidths(args.bandwidth, fallback=args.fallback_loopback, workers=workers)
@@ -542,8 +551,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
               + (f"; {args.doc} left unchanged" if args.doc else ""), file=sys.stderr)
         return failed[0][1]
     if args.doc:
-        update_doc(args.doc, render_section(results, os.path.join(args.out, RESULTS_FILE), args.out, args.doc,
-                                            args.section), args.section)
+        try:
+            write_section(args.doc, args.section, os.path.join(args.out, RESULTS_FILE), results, args.out)
+        except ValueError as e:
+            print(f"lowband: error: {e}; {args.doc} left unchanged", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -564,7 +576,7 @@ def median_runs(rows: list[dict]) -> list[dict]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import ResultsFileError, main_report
+    from .report import DocSectionError, ResultsFileError, main_report
     if not os.path.exists(args.results):
         raise UsageError(f"results file {args.results} does not exist")
     if os.path.isdir(args.results):
@@ -572,7 +584,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         return main_report(args.results, args.doc, args.images or os.path.dirname(os.path.abspath(args.results)),
                            args.section)
-    except ResultsFileError as e:
+    except (ResultsFileError, DocSectionError) as e:
         raise UsageError(str(e)) from None
 
 

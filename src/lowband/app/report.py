@@ -1,11 +1,16 @@
-"""Turn a bench results file into a markdown table, plots, and a section of docs/results.md."""
+"""Turn bench results files into markdown tables, plots, and generated sections of a document
+(docs/results.md): each section between markers that name its results files, regenerated in
+place from them by ``lowband report --doc`` and ``make results``."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .metrics import format_table
@@ -19,10 +24,6 @@ def _legend(ax, **kw) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(**kw)
 
-
-def markers(section: str) -> tuple[str, str]:
-    """The comment lines that delimit one generated section of a markdown file."""
-    return f"<!-- lowband-{section}:begin -->", f"<!-- lowband-{section}:end -->"
 
 #: the columns that name a configuration, first in every table of runs
 CONFIG_COLUMNS = [
@@ -453,17 +454,237 @@ def plot_tau(rows: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
     return [TAU_PLOT]
 
 
-def render_section(results: dict[str, Any], results_path: str, images_dir: Optional[str], doc_path: str,
-                   section: str = DEFAULT_SECTION) -> str:
-    rows = derive(results["rows"])
+# -- generated sections of a markdown document -------------------------------------------------
+#
+# A generated section lies between two comment lines. The begin marker names the section and
+# says where its text comes from, one "key: value" line each:
+#
+#   <!-- lowband:begin race-cnn-20
+#   results: runs/race-cnn-20/results.json
+#   command: lowband bench --algorithms noop,ssgd ... --out runs/race-cnn-20
+#   tables: target runs
+#   -->
+#   (generated text)
+#   <!-- lowband:end race-cnn-20 -->
+#
+# ``results`` and ``command`` repeat for a section drawn from several results files, in pairs:
+# the i-th command writes the i-th file. ``tables`` picks parts (TABLE_PARTS), for a section
+# whose surrounding prose says the rest; without it the section is the whole report
+# (:func:`render_section`). ``images`` is the plots' directory of a whole report. Rendering reads
+# only the results files: nothing is rerun. Writing replaces a section in place; a document
+# without the section is an error (DocSectionError), never a place to append one.
+
+#: the document ``make results`` regenerates
+DEFAULT_DOC = "docs/results.md"
+BEGIN = "<!-- lowband:begin "
+MARKER_KEYS = ("results", "command", "tables", "images")
+#: the parts a ``tables:`` line picks from, in the order they are written
+TABLE_PARTS = ("target", "summary", "runs", "rounds", "lazy")
+_NAME = re.compile(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*")
+
+
+class DocSectionError(ValueError):
+    """A document without the named section, or with malformed markers."""
+
+
+def markers(section: str) -> tuple[str, str]:
+    """The begin marker without metadata, and the end marker, of one generated section."""
+    return f"{BEGIN}{section} -->", f"<!-- lowband:end {section} -->"
+
+
+@dataclass
+class Section:
+    """One generated section of a document: its marker's fields and its place in the text."""
+    name: str
+    results: list[str] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
+    tables: Optional[list[str]] = None
+    images: Optional[str] = None
+    start: int = 0        # offset of the begin marker
+    body_start: int = 0   # offset just after the begin marker
+    body_end: int = 0     # offset of the end marker
+    end: int = 0          # offset just after the end marker's line
+
+    def command_for(self, i: int) -> str:
+        return self.commands[i] if i < len(self.commands) else ""
+
+    def begin_marker(self) -> str:
+        fields = []
+        for i, path in enumerate(self.results):
+            fields.append(f"results: {path}")
+            if self.command_for(i):
+                fields.append(f"command: {self.command_for(i)}")
+        fields += [f"command: {c}" for c in self.commands[len(self.results):]]
+        if self.tables is not None:
+            fields.append("tables: " + " ".join(self.tables))
+        if self.images:
+            fields.append(f"images: {self.images}")
+        if not fields:
+            return markers(self.name)[0]
+        return "\n".join([f"{BEGIN}{self.name}", *fields, "-->"])
+
+    def block(self, body: str) -> str:
+        """The section as it is written: marker, body, a blank line (a table ends there), end marker."""
+        body = body.strip("\n")
+        return f"{self.begin_marker()}\n{body}\n\n{markers(self.name)[1]}\n"
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.fullmatch(name or ""):
+        raise DocSectionError(f"section name {name!r}: use letters, digits, '.', '_' and single '-' between them")
+
+
+def _fence(line: str, fence: Optional[str]) -> Optional[str]:
+    """The fenced code block open after ``line`` (markers inside one are examples, not sections)."""
+    s = line.lstrip()
+    if fence is None:
+        return s[:3] if s.startswith(("```", "~~~")) else None
+    return None if s.startswith(fence) else fence
+
+
+def parse_sections(text: str, doc: str = "document") -> list[Section]:
+    """Every generated section of ``text``, in order; DocSectionError on a begin marker without
+    its end, an end marker without its begin, a repeated name or an unknown field."""
+    lines = text.splitlines(keepends=True)
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    sections: list[Section] = []
+    fence: Optional[str] = None
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        fence = _fence(line, fence)
+        if fence is None and line.startswith("<!-- lowband:end "):
+            raise DocSectionError(f"{doc}:{i + 1}: end marker without a begin marker: {line.strip()}")
+        if fence is not None or not line.startswith(BEGIN):
+            i += 1
+            continue
+        first = i
+        m = _NAME.match(line[len(BEGIN):])
+        if m is None:
+            raise DocSectionError(f"{doc}:{i + 1}: begin marker without a section name")
+        sec = Section(m.group(0), start=offsets[i])
+        if any(s.name == sec.name for s in sections):
+            raise DocSectionError(f"{doc}:{i + 1}: section {sec.name} appears twice")
+        meta = [line[len(BEGIN) + m.end():]]
+        while "-->" not in meta[-1]:
+            i += 1
+            if i == len(lines):
+                raise DocSectionError(f"{doc}:{first + 1}: the begin marker of section {sec.name} has no closing -->")
+            meta.append(lines[i])
+        meta[-1] = meta[-1].split("-->", 1)[0]
+        for entry in "".join(meta).splitlines():
+            if not entry.strip():
+                continue
+            key, sep, value = entry.partition(":")
+            key, value = key.strip(), value.strip()
+            if not sep or key not in MARKER_KEYS:
+                raise DocSectionError(f"{doc}:{first + 1}: section {sec.name}: {entry.strip()!r} is not one of "
+                                      f"{', '.join(k + ': ...' for k in MARKER_KEYS)}")
+            if key == "results":
+                sec.results.append(value)
+            elif key == "command":
+                sec.commands.append(value)
+            elif key == "tables":
+                sec.tables = value.replace(",", " ").split()
+                unknown = [t for t in sec.tables if t not in TABLE_PARTS]
+                if unknown:
+                    raise DocSectionError(f"{doc}:{first + 1}: section {sec.name}: unknown tables "
+                                          f"{', '.join(unknown)} (known: {', '.join(TABLE_PARTS)})")
+            else:
+                sec.images = value
+        sec.body_start = offsets[i + 1]
+        end = markers(sec.name)[1]
+        i += 1
+        while i < len(lines) and lines[i].strip() != end:
+            if lines[i].startswith(BEGIN):
+                raise DocSectionError(f"{doc}:{i + 1}: section {sec.name} (line {first + 1}) has no end "
+                                      f"marker before the next section begins")
+            i += 1
+        if i == len(lines):
+            raise DocSectionError(f"{doc}:{first + 1}: section {sec.name} has no end marker ({end})")
+        sec.body_end, sec.end = offsets[i], offsets[i + 1]
+        sections.append(sec)
+        i += 1
+    return sections
+
+
+def _read_doc(doc_path: str) -> str:
+    try:
+        with open(doc_path) as f:
+            return f.read()
+    except OSError as e:
+        raise DocSectionError(f"cannot read {doc_path}: {e.strerror}") from None
+
+
+def _write_doc(doc_path: str, text: str) -> None:
+    tmp = f"{doc_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, doc_path)
+
+
+def find_section(doc_path: str, section: str) -> tuple[str, Section]:
+    """The text of ``doc_path`` and its section named ``section``; DocSectionError (one line,
+    naming the two marker lines to add) when the document or the section is not there."""
+    _check_name(section)
+    begin, end = markers(section)
+    add = f"put the lines `{begin}` and `{end}` where the section belongs, then rerun"
+    if not os.path.exists(doc_path):
+        raise DocSectionError(f"{doc_path} does not exist; create it and {add}")
+    text = _read_doc(doc_path)
+    for sec in parse_sections(text, doc_path):
+        if sec.name == section:
+            return text, sec
+    raise DocSectionError(f"{doc_path} has no generated section {section!r}: {add}")
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _recorded_path(path: str) -> str:
+    """A path as a marker records it: relative to the current directory (the repository root
+    when run from there), absolute when outside it."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+def _produced_by(commands: Sequence[str]) -> str:
+    return "Produced by: " + " and ".join(f"`{c}`" for c in commands) + "."
+
+
+def render_section(results: dict[str, Any] | Sequence[dict[str, Any]], results_path: str | Sequence[str],
+                   images_dir: Optional[str], doc_path: str, section: str = DEFAULT_SECTION,
+                   tables: Optional[Sequence[str]] = None) -> str:
+    """The text of one generated section from one results file or several (their rows together).
+    ``tables`` None: the whole report (commands, machine, every table, plots); else the command
+    line and the named TABLE_PARTS only, for a section whose surrounding prose says the rest."""
+    many = [results] if isinstance(results, dict) else list(results)
+    paths = [results_path] if isinstance(results_path, str) else list(results_path)
+    rows = derive([r for res in many for r in res["rows"]])
+    runs = [r for res in many for r in res.get("all_runs") or ()]
+    commands = [res.get("command", "?") for res in many]
+    if tables is not None:
+        parts = {"target": lambda: target_table(rows), "summary": lambda: "\n".join(target_summary(rows)),
+                 "runs": lambda: markdown_table(rows), "rounds": lambda: rounds_table(runs),
+                 "lazy": lambda: lazy_table(rows)}
+        texts = [parts[t]() for t in TABLE_PARTS if t in tables]
+        return "\n\n".join([_produced_by(commands), *(t for t in texts if t)])
     doc_dir = os.path.dirname(os.path.abspath(doc_path))
-    regenerate = f"lowband report {results_path} --doc {os.path.relpath(doc_path)} --section {section}"
-    if images_dir:
-        regenerate += f" --images {os.path.relpath(images_dir)}"
+    if len(paths) == 1:
+        regenerate = f"lowband report {paths[0]} --doc {os.path.relpath(doc_path)} --section {section}"
+        if images_dir:
+            regenerate += f" --images {os.path.relpath(images_dir)}"
+    else:
+        regenerate = f"python -m lowband.app.report {os.path.relpath(doc_path)}"
+    machines = "; ".join(dict.fromkeys(str(res.get("machine", "?")) for res in many))
+    links = "; ".join(dict.fromkeys(str(res.get("link", "?")) for res in many))
     parts = [
-        f"Produced by: `{results['command']}`",
+        _produced_by(commands),
         f"Regenerate this section: `{regenerate}`",
-        f"Machine: {results.get('machine', '?')}. Link: {results.get('link', '?')}.",
+        f"Machine: {machines}. Link: {links}.",
         "",
         "Time to target (training time until the first evaluation that reached it; the target "
         "comes from the ssgd run of the same model, docs/workloads.md):",
@@ -480,7 +701,7 @@ def render_section(results: dict[str, Any], results_path: str, images_dir: Optio
         parts += ["", *(f"![{name}]({rel}/{name})" for name in
                        (*(f"to_target_{m}.png" for m in models),
                         "accuracy_vs_time.png", "step_time_split.png", "throughput_vs_bandwidth.png"))]
-    rounds = rounds_table(results.get("all_runs") or ())
+    rounds = rounds_table(runs)
     if rounds:
         parts += ["", "The table reports each configuration's median-step run of the rounds; per round, each run "
                       "over the `noop` of its own round (rounds run one after another, so the pairing cancels the "
@@ -490,43 +711,102 @@ def render_section(results: dict[str, Any], results_path: str, images_dir: Optio
         parts += ["", "Lazy update: synchronized steps, tau, and exposed communication next to ssgd's:", "", lazy]
         if images_dir and any(r.get("tau_curve") for r in rows):
             parts += ["", f"![{TAU_PLOT}]({os.path.relpath(os.path.abspath(images_dir), doc_dir)}/{TAU_PLOT})"]
-    for note in results.get("notes", []):
-        parts += ["", note]
+    for res in many:
+        for note in res.get("notes", []):
+            parts += ["", note]
     return "\n".join(parts)
 
 
-def update_doc(doc_path: str, body: str, section: str = DEFAULT_SECTION) -> None:
-    """Replace one generated section of ``doc_path`` (between its markers), keeping the rest;
-    a section not there yet is appended."""
-    text = open(doc_path).read() if os.path.exists(doc_path) else "# Results\n"
-    begin, end = markers(section)
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        tail = rest.split(end, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip() + f"\n\n## {section}\n\n" + block + "\n"
-    with open(doc_path, "w") as f:
-        f.write(text)
+def update_doc(doc_path: str, body: str, section: str = DEFAULT_SECTION, command: Optional[str] = None) -> None:
+    """Replace the text of one generated section of ``doc_path`` with ``body``, keeping the rest of
+    the document and the section's marker (``command``, when given, becomes the marker's
+    command). DocSectionError when the section is not there: a section is never appended."""
+    text, sec = find_section(doc_path, section)
+    if command is not None:
+        sec.commands = [command]
+    _write_doc(doc_path, text[:sec.start] + sec.block(body) + text[sec.end:])
+
+
+def write_section(doc_path: str, section: str, results_path: str, results: Optional[dict[str, Any]] = None,
+                  images_dir: Optional[str] = None) -> None:
+    """Render one section from ``results_path`` (``results``: that file, already loaded) and write
+    it in place, its marker recording the file and the command that wrote it. A section whose
+    marker names several files, this one among them, is rendered from all of them; one naming
+    other files becomes this file's. ``tables`` comes from the marker; ``images_dir`` links the
+    plots of a whole report. DocSectionError / ResultsFileError leave the document unchanged."""
+    text, sec = find_section(doc_path, section)
+    if not any(_same_file(p, results_path) for p in sec.results):
+        sec.results, sec.commands = [_recorded_path(results_path)], []
+    loaded = [results if results is not None and _same_file(p, results_path) else load(p) for p in sec.results]
+    sec.commands = [res.get("command", "") for res in loaded]
+    if sec.tables is None:
+        sec.images = _recorded_path(images_dir) if images_dir else sec.images
+    body = render_section(loaded, sec.results, sec.images, doc_path, section, sec.tables)
+    _write_doc(doc_path, text[:sec.start] + sec.block(body) + text[sec.end:])
+
+
+def regenerate(doc_path: str = DEFAULT_DOC, log=None) -> int:
+    """Re-render every generated section of ``doc_path`` that names results files, from those
+    files (nothing reruns), and write the document once. A section whose files are not all
+    there stays as it is, with one line saying which command writes the missing one; a
+    section that names no results file stays as it is. Returns 1 when a results file could
+    not be read as one, else 0 (missing files included: they are the state of a fresh clone)."""
+    say = log or (lambda line: print(line, file=sys.stderr))
+    text = _read_doc(doc_path)
+    out, pos, status = [], 0, 0
+    for sec in parse_sections(text, doc_path):
+        out.append(text[pos:sec.start])
+        pos = sec.end
+        block = text[sec.start:sec.end]
+        where = f"{doc_path}: section {sec.name}"
+        if not sec.results:
+            how = f"; `{sec.commands[0]}` writes it" if sec.commands else ""
+            say(f"{where} left unchanged: its marker names no results file{how}")
+        elif missing := [(i, p) for i, p in enumerate(sec.results) if not os.path.exists(p)]:
+            i, p = missing[0]
+            how = f"`{sec.command_for(i)}` writes it" if sec.command_for(i) else "its marker records no command"
+            say(f"{where} left unchanged: {p} is missing; {how}")
+        else:
+            try:
+                loaded = [load(p) for p in sec.results]
+            except ResultsFileError as e:
+                say(f"{where} left unchanged: {e}")
+                status = 1
+            else:
+                sec.commands = [res.get("command", "") for res in loaded]
+                body = render_section(loaded, sec.results, sec.images, doc_path, sec.name, sec.tables)
+                new = sec.block(body)
+                # the text after the end marker keeps its own line ending (the document's last line may lack one)
+                if not block.endswith("\n"):
+                    new = new[:-1]
+                say(f"{where} {'is up to date' if new == block else 'regenerated'} from {', '.join(sec.results)}")
+                block = new
+        out.append(block)
+    out.append(text[pos:])
+    new_text = "".join(out)
+    if new_text != text:
+        _write_doc(doc_path, new_text)
+    return status
 
 
 def print_tables(rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]] = ()) -> None:
     """What ``lowband bench`` and ``lowband report`` print: time to target, the per-run table,
     the lazy update's table where there are lazy runs (``rows`` already derived), and for a
-    ``--repeat`` bench (``runs``: every round's run) the per-round ratios to ``noop``."""
-    print(target_table(rows))
-    print("\n".join(target_summary(rows)))
-    print(markdown_table(rows))
-    lazy = lazy_table(rows)
-    if lazy:
-        print("\n" + lazy)
+    ``--repeat`` bench (``runs``: every round's run) the per-round ratios to ``noop``. A blank
+    line ends every table: markdown continues a table through the next line that is not blank,
+    so the next table's header and rule would read as rows of this one."""
+    blocks = [target_table(rows), "\n".join(target_summary(rows)), markdown_table(rows), lazy_table(rows)]
     rounds = rounds_table(runs)
     if rounds:
-        print("\nPer round (each run over the noop of its own round):\n\n" + rounds)
+        blocks.append("Per round (each run over the noop of its own round):\n\n" + rounds)
+    print("\n\n".join(b for b in blocks if b))
 
 
 def main_report(results_path: str, doc: Optional[str], images: Optional[str], section: str = DEFAULT_SECTION) -> int:
+    """``lowband report``: print the tables, write the plots into ``images``, and with ``doc``
+    replace that document's section ``section`` (DocSectionError when it has none)."""
+    if doc:
+        find_section(doc, section)        # before the plots: a missing section changes nothing
     results = load(results_path)
     rows = derive(results["rows"])
     print_tables(rows, results.get("all_runs") or ())
@@ -534,6 +814,29 @@ def main_report(results_path: str, doc: Optional[str], images: Optional[str], se
         os.makedirs(images, exist_ok=True)
         plot(rows, images)
     if doc:
-        update_doc(doc, render_section(results, results_path, images, doc, section), section)
-        print(f"updated {doc}", file=sys.stderr)
+        write_section(doc, section, results_path, results, images)
+        print(f"updated section {section} of {doc}", file=sys.stderr)
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lowband.app.report [DOC ...]`` (``make results``): :func:`regenerate` each document."""
+    ap = argparse.ArgumentParser(
+        prog="python -m lowband.app.report",
+        description="Regenerate every generated section of markdown documents from the results files their "
+                    "markers name (<!-- lowband:begin NAME ... --> ... <!-- lowband:end NAME -->). Nothing is "
+                    "rerun; a section whose results file is missing is left as it is.")
+    ap.add_argument("docs", nargs="*", default=[DEFAULT_DOC], help="documents (default: %(default)s)")
+    args = ap.parse_args(argv)
+    status = 0
+    for doc in args.docs:
+        try:
+            status = max(status, regenerate(doc))
+        except DocSectionError as e:
+            print(f"error: {e}", file=sys.stderr)
+            status = 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

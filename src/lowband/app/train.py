@@ -199,7 +199,11 @@ def run_worker(cfg: TrainConfig) -> Optional[dict[str, Any]]:
             scheduler.load_state_dict(state["scheduler"])
             # a changed run length stretches (or shortens) the rest of the cosine from here
             scheduler.retarget(total_steps)
-        engine.load_state_dict(state["engine"])
+        try:
+            engine.load_state_dict(state["engine"])
+        except ValueError as e:     # the algorithm's configuration or state does not fit this run
+            raise checkpoint.CheckpointError(f"the checkpoint of step {state['step']} does not fit this run: {e}") \
+                from None
         try:   # the files' SHA-256 matched; this catches state that was wrong when it was saved
             engine.check_replicas()
         except ReplicaMismatchError as e:

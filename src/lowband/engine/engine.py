@@ -113,15 +113,12 @@ class Engine:
         self.bound = self.algorithm.bind(self.ctx)
         bound = self.bound
         if self.scaler is not None:
-            refusal = self._scaler_refusal()
-            if refusal:
-                bound.close()
-                raise ValueError(refusal)
             if not bound.scales:   # the guard unscales every gradient before the algorithm takes it
                 self.guard = GradientGuard(nonfinite, self.names, self.params, self.comm.group,
                                            max_consecutive_skips, scaler=self.scaler)
                 self.guard.consecutive_skips = skips
         self.guard.attach(bound)
+        self.ctx.skippable = self.guard.deferring   # a step may be skipped after its backward
         self.module = bound.wrap_module(self.model)
         self._forward = bound.on_gradient_ready if bound.uses_gradient_hooks else None
         #: depth of :meth:`no_sync` blocks now open; parameters whose gradient grew inside one
@@ -221,17 +218,17 @@ class Engine:
 
         Mixed precision with a ``torch.amp.GradScaler``: ``lowband.distribute(...,
         scaler=scaler, nonfinite="off")``, ``scaler.scale(loss).backward()``, ``engine.step()``,
-        ``scaler.update()``; with every algorithm but ``ddp-powersgd`` (refused with one line).
-        Under ``ssgd``, ``noop`` and the DDP peers (``BoundAlgorithm.scales``) the average of
-        the scaled gradients is unscaled, clipped (:meth:`clip_grad_norm_`) and stepped by
-        ``scaler.step``, as in a DDP script; under the others the engine unscales every
-        gradient as backward produces it, before the algorithm takes it, and skips a step with
-        an inf or NaN on any rank on every rank (:mod:`lowband.engine.guard`, "scale" mode).
+        ``scaler.update()``; with every algorithm. Under ``ssgd``, ``noop``, ``ddp`` and
+        ``ddp-fp16`` (``BoundAlgorithm.scales``) the average of the scaled gradients is
+        unscaled, clipped (:meth:`clip_grad_norm_`) and stepped by ``scaler.step``, as in a DDP
+        script; under the others (``ddp-powersgd``'s comm hook included) the engine unscales
+        every gradient as backward produces it, before the algorithm takes it, and skips a step
+        with an inf or NaN on any rank on every rank (:mod:`lowband.engine.guard`, "scale" mode).
         Do not call ``scaler.unscale_`` or ``scaler.step`` yourself.
 
         ``scaler``: the same scaler again (optional), or, without one given to ``distribute``,
         the scaler of this step for the algorithms that take it in their own step (``ssgd``,
-        ``noop``, the DDP peers: where a DDP script calls ``scaler.step(optimizer)``); they
+        ``noop``, ``ddp``, ``ddp-fp16``: where a DDP script calls ``scaler.step(optimizer)``); they
         need ``distribute(..., nonfinite="off")``. The others need the scaler before backward
         and refuse it here with one line."""
         if self._accumulating:
@@ -248,13 +245,6 @@ class Engine:
             self.ctx.scaler = None
             self.guard.end_step()
 
-    def _scaler_refusal(self) -> Optional[str]:
-        """Why the bound algorithm cannot take a GradScaler at all (None: it can)."""
-        reason = self.bound.refuses_scaler
-        if not reason:
-            return None
-        return f"{self.algorithm.name} does not take a GradScaler: {reason}; use bf16 autocast, which needs no scaler"
-
     def _step_scaler(self, scaler: Optional[Any]) -> Optional[Any]:
         """The GradScaler the algorithm's own ``step()`` takes this step (``ctx.scaler``), or
         None: none, or the guard unscales for the algorithm. ValueError for a scaler it cannot
@@ -267,9 +257,6 @@ class Engine:
             return self.scaler if self.bound.scales else None
         if given is None:
             return None
-        refusal = self._scaler_refusal()
-        if refusal:
-            raise ValueError(refusal)
         if not self.bound.scales:
             name = self.algorithm.name
             raise ValueError(f"{name} takes a GradScaler through lowband.distribute(..., scaler=scaler, "
@@ -503,11 +490,18 @@ class Engine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of an engine that ran the same algorithm configuration
+        (ValueError otherwise). A checkpoint of an earlier version may still list knobs this
+        version no longer has: those holding the value whose behaviour the code now always has
+        are ignored, another value is refused naming the knob (:meth:`Algorithm.current_config`)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"engine state version {state.get('version')!r} is not {STATE_VERSION}")
-        saved = state["algorithm_config"]
-        if saved != self.algorithm.config():
-            raise ValueError(f"checkpoint was written by {saved}, but this engine runs {self.algorithm.config()}")
+        saved, config = state["algorithm_config"], self.algorithm.config()
+        if saved.get("algorithm") == config["algorithm"]:
+            # knobs an earlier version had: dropped where they hold what this version always does
+            saved = type(self.algorithm).current_config(saved)
+        if saved != config:
+            raise ValueError(f"checkpoint was written by {saved}, but this engine runs {config}")
         # the step counter (states saved without it hold the same count in their statistics)
         self.ctx.steps = int(state.get("steps", state["stats"]["steps"]))
         self.bound.load_state_dict(state["algorithm"])

@@ -23,21 +23,26 @@ parameter index (one int64 per rank, in one tiny MAX all-reduce) and take the sa
   diverged; skipping on would end with exit 0 and a meaningless model).
 * ``"off"``: no check, no extra collective.
 
+What the guard needs from the algorithm is one declaration per iteration,
+``BoundAlgorithm.finiteness()`` (a :class:`~lowband.algorithms.base.Finiteness`): when its
+gradients can first reach another rank or the global model (``"now"``, ``"late"``), whether its
+own messages carry the check (``"carried"``), and gradients it holds outside ``.grad``.
+
 Under ``"raise"``, an algorithm whose step reaches the global model only at a later
 ``step()`` (CP-SGD's pipeline after its warm-up, ``noop``'s unshared replicas, the local steps
-of ``localsgd`` and DiLoCo between their syncs; see ``Algorithm.gradients_applied_late``) gets
-a deferred decision: the exchange starts at ``engine.step()`` and is finished at the next one
-(or at ``synchronize``, ``state_dict``, ``global_model``, ``check_replicas``), still before
-that step's average touches the global weights. Waiting at once would queue the exchange
+of ``localsgd`` and DiLoCo between their syncs: ``Finiteness.LATE``) gets a deferred
+decision: the exchange starts at ``engine.step()`` and is finished at the next one (or at
+``synchronize``, ``state_dict``, ``global_model``, ``check_replicas``), still before that
+step's average touches the global weights. Waiting at once would queue the exchange
 behind the step's gradient bytes on a slow link and make the pipeline synchronous again, and
 put a barrier on every local step (measured: docs/reliability.md). The time spent waiting for
 an exchange is exposed communication and counted as such in ``comm_wait_s``.
 
 An algorithm whose messages already reach every rank from every rank can carry the check
-itself (``BoundAlgorithm.carries_finiteness``: the compressed buckets of ``compressed`` and
-CP-SGD mark each parameter's non-finite gradient in their flag bytes). For such a step the
-hook does not test the gradients and no exchange runs; the algorithm's ``step()`` reports the
-per-rank first bad index through ``EngineContext.decide_finiteness``: the verdict itself
+itself (``Finiteness.CARRIED``: the compressed buckets of ``compressed`` and CP-SGD mark each
+parameter's non-finite gradient in their flag bytes). For such a step the hook does not
+test the gradients and no exchange runs; the algorithm's ``step()`` reports the per-rank
+first bad index through ``EngineContext.decide_finiteness``: the verdict itself
 after its buckets arrive and before the optimizer (``compressed``: decided at once), or a
 callable that returns it (CP-SGD's pipeline: settled at the same points as a deferred
 exchange, still before that step's average reaches the global weights). The message, the
@@ -77,6 +82,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..algorithms.base import Finiteness
 from ..comm.communicator import Communicator
 from ..comm.finite import all_finite
 
@@ -193,9 +199,6 @@ class GradientGuard:
         self._pending = None   # (step, tensor, work, verdict) of a deferred decision (start/settle)
         #: the bound algorithm whose steps this guard decides about (:meth:`attach`)
         self.bound = None
-        #: whether the gradients now being produced are checked by the algorithm (a callable
-        #: asked in the hook: the algorithm's ``carries_finiteness`` under "raise")
-        self.carried_by: Optional[Callable[[], bool]] = None
         self._expected: Optional[int] = None   # the synchronous step whose carried verdict is due
         if self.policy != "off" and dist.get_world_size(group) > 1:
             # every rank creates it in the same order (inside distribute), as new_group requires
@@ -218,9 +221,17 @@ class GradientGuard:
         return self.decide_carried if self.policy == "raise" else None
 
     def attach(self, bound: Any) -> None:
-        """Decide about the steps of ``bound`` (a ``BoundAlgorithm``) from now on."""
+        """Decide about the steps of ``bound`` (a ``BoundAlgorithm``, which declares each
+        iteration's :class:`Finiteness`) from now on."""
         self.bound = bound
-        self.carried_by = bound.carries_finiteness if self.policy == "raise" else None
+
+    def _carried(self, declared: Optional[Finiteness] = None) -> bool:
+        """Whether the algorithm's messages carry the check of this iteration (as ``declared``;
+        asked when not given). Only under "raise": under the other policies the check is the
+        guard's."""
+        if self.policy != "raise":
+            return False
+        return (declared if declared is not None else self.bound.finiteness()).mode == "carried"
 
     def delivery(self, index: int, forward: Optional[Callable[[int], None]]) -> Callable[[], None]:
         """What the engine's gradient hook of parameter ``index`` does outside ``no_sync()``:
@@ -241,14 +252,15 @@ class GradientGuard:
         if not self.active:
             bound.step()
             return True
-        carried = self.policy == "raise" and bound.carries_finiteness()
-        if not carried:
-            for index, gradient in bound.captured_gradients():
+        declared = bound.finiteness()
+        carried = self._carried(declared)
+        if not carried and declared.captured is not None:
+            for index, gradient in declared.captured():
                 self.record(index, gradient)
         with waiting(not self.pending_carried):
             if carried:     # settles the previous step's deferred decision first
                 self.expect_carried(step)
-            elif self.policy == "raise" and bound.gradients_applied_late():
+            elif self.policy == "raise" and declared.mode == "late":
                 self.start(step)   # settles the previous step's deferred decision first
             elif not self.check(step):
                 return False
@@ -267,7 +279,7 @@ class GradientGuard:
         if self.scaler is not None:
             if grad is not None:
                 self._unscale(grad)
-        elif grad is not None and not (self.carried_by is not None and self.carried_by()):
+        elif grad is not None and not self._carried():
             self._finite.append((index, all_finite(grad)))
         if self.deferring:
             self._ready.append(index)
@@ -276,8 +288,8 @@ class GradientGuard:
 
     def record(self, index: int, gradient: torch.Tensor) -> None:
         """Check one more gradient contribution of parameter ``index`` that an algorithm holds
-        outside ``.grad`` (:meth:`BoundAlgorithm.captured_gradients`; ``"scale"``: unscale it
-        in place); before the decision."""
+        outside ``.grad`` (``Finiteness.captured``; ``"scale"``: unscale it in place); before
+        the decision."""
         if self.scaler is not None:
             self._unscale(gradient)
         else:
@@ -329,7 +341,7 @@ class GradientGuard:
     def start(self, step: int) -> None:
         """Begin this step's exchange without waiting for it (policy "raise" only): for an
         algorithm whose step applies its averaged gradient to the global model only at the
-        next ``step()`` (a pipeline, :meth:`Algorithm.gradients_applied_late`), the decision
+        next ``step()`` (a pipeline: ``Finiteness.LATE``), the decision
         can wait until then, and waiting now would queue this tiny all-reduce behind the
         step's gradient bytes on the link, turning the pipeline back into a synchronous
         step. :meth:`settle` finishes it, before anything depends on the step."""

@@ -549,6 +549,31 @@ class EmulatedCluster:
         self._check_rank(rank)
         return {"GLOO_SOCKET_IFNAME": self.worker_if[rank], "MASTER_ADDR": self.master_addr}
 
+    def set_link(self, rank: int, up: bool) -> None:
+        """Cut rank's link (``up=False``) or restore it (``up=True``), as a cable pulled out and
+        plugged back in.
+
+        Down: both ends of rank's veth go down, the worker's (the worker sees its interface
+        down, as :func:`lowband.runtime.rendezvous.links_down` reads it, and its namespace
+        loses the subnet's route, so a connection from it fails at once with "network is
+        unreachable") and then the hub's (the bridge stops forwarding to it, and what its
+        queue held for the worker is dropped). Established connections are not closed: they
+        stall, and TCP retransmits until the link is back or the peer gives up.
+        Up: the hub's end, then the worker's, then the subnet's route with
+        :data:`CONGESTION_CONTROL` (:func:`_data_route`): the kernel deleted that route when
+        the device went down and re-adds only its own connected one, without ``congctl``.
+        The shaping (each end's qdiscs) stays as built. Setting a link to the state it is in
+        changes nothing."""
+        self._check_rank(rank)
+        ns, wif, hif = self.worker_ns[rank], self.worker_if[rank], self.hub_if[rank]
+        if up:
+            _run(["ip", "-n", self.hub_ns, "link", "set", "dev", hif, "up"])
+            _run(["ip", "-n", ns, "link", "set", "dev", wif, "up"])
+            _run(_data_route(ns, wif, self.addresses[rank]))
+        else:
+            _run(["ip", "-n", ns, "link", "set", "dev", wif, "down"])
+            _run(["ip", "-n", self.hub_ns, "link", "set", "dev", hif, "down"])
+
     def link_counters(self) -> dict[int, tuple[int, int]]:
         """Per rank (tx_bytes, rx_bytes) of the worker-side veth, straight from the
         kernel, so callers can check what really went over the wire (incl. headers)."""

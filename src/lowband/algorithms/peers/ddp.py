@@ -247,14 +247,29 @@ class BoundDDPFP16(BoundDDP):
 
 
 class BoundDDPPowerSGD(BoundDDP):
-    """DDP with PyTorch's PowerSGD hook, bound to one engine: the hook's state (memories, RNG)."""
+    """DDP with PyTorch's PowerSGD hook, bound to one engine: the hook's state (memories, RNG).
+
+    Under a GradScaler (``scales`` False) the engine's guard unscales each gradient in its
+    post-accumulate-grad hook, which autograd runs before DDP's reducer copies the gradient
+    into its bucket: ``powerSGD_hook`` compresses unscaled gradients, so the error feedback
+    and the warm-started factors are in the units of an fp32 run whatever the scale does.
+
+    The hook runs inside backward, before the ranks have agreed whether the step is finite.
+    Where the engine may skip a step after its backward (``ctx.skippable``: a GradScaler's inf
+    step, the policy "skip"), the hook first keeps what it is about to change
+    (:class:`_Undo`), and a step the engine skipped (``step()`` was not called for it) is put
+    back before anything reads the state again: the next backward's hook, ``state_dict``,
+    ``drain``. The engine skips the step on every rank alike (the guard's exchange), so every
+    rank puts its own state back and the skipped step leaves no trace: not in the error
+    feedback, the factors, the iteration count (``start_powerSGD_iter``) or the RNG that draws
+    fresh Q. Memory, only where ``ctx.skippable``: the error tensor the hook replaces stays
+    alive from the hook to ``step()`` (one more bucket-sized buffer, the size of the model's
+    gradients; the hook itself briefly holds three: that one, its input's copy and the new
+    error), plus copies of the P and Q memories (the compressed sizes, sum of (n + m) * r
+    over the compressed matrices) and of the RNG's state (2.5 KB)."""
 
     cfg: DDPPowerSGD
     scales: ClassVar[bool] = False
-    refuses_scaler: ClassVar[Optional[str]] = (
-        "PyTorch's powerSGD_hook compresses the gradients inside backward, before any rank can know that "
-        "the step has an inf, and keeps error feedback and warm-started factors across steps, which such "
-        "a step would leave non-finite")
 
     def __init__(self, cfg: DDPPowerSGD, ctx: EngineContext) -> None:
         super().__init__(cfg, ctx)
@@ -274,6 +289,7 @@ class BoundDDPPowerSGD(BoundDDP):
         self._name_of = {id(p): n for n, p in zip(ctx.names, ctx.params)}
         self._param_of = dict(zip(ctx.names, ctx.params))
         self._layout: Optional[tuple[str, ...]] = None   # bucket order the memories follow
+        self._undo: Optional[_Undo] = None   # the state before a step the engine may still skip
 
     def _count(self, bucket: dist.GradBucket) -> None:
         """Record the all-reduces ``powerSGD_hook`` is about to issue for this bucket, from
@@ -300,9 +316,47 @@ class BoundDDPPowerSGD(BoundDDP):
             raise RuntimeError("ddp-powersgd: DDP made a second bucket; the layer-wise PowerSGD hook is only "
                                "safe on gloo with one bucket (raise bucket_cap_mb)")
         self._mark_ready()
+        self._put_back_skipped()
         self._follow_layout(bucket)
+        self._keep()
         self._count(bucket)
         return psgd.powerSGD_hook(self.state, bucket).then(lambda fut: self._mark_done(fut.value()))
+
+    def step(self) -> None:
+        self._undo = None             # the step applies: what the hook did stays
+        super().step()
+
+    def drain(self) -> None:
+        self._put_back_skipped()
+
+    # -- skipped steps -------------------------------------------------------------------
+    def _keep(self) -> None:
+        """Before the hook's first bucket of step ``ctx.steps``, where the engine may skip
+        that step: keep the state the hook is about to change. The error tensors are kept as
+        they are (the hook replaces them, never writes into them); the P and Q memories are
+        copied (the hook writes them in place)."""
+        if not self.ctx.skippable or self._undo is not None:
+            return
+        s = self.state
+        self._undo = _Undo(
+            step=self.ctx.steps, iter=s.iter, rng=s.rng.get_state(),
+            numel=(s.total_numel_before_compression, s.total_numel_after_compression),
+            error=dict(s.error_dict),
+            p_memory={k: v.clone() for k, v in s.p_memory_dict.items()},
+            q_memory={k: v.clone() for k, v in s.q_memory_dict.items()})
+
+    def _put_back_skipped(self) -> None:
+        """Put the state back as it was before a step that is over and was not applied (the
+        engine skipped it on every rank); nothing otherwise."""
+        undo = self._undo
+        if undo is None or undo.step >= self.ctx.steps:
+            return
+        self._undo = None
+        s = self.state
+        s.iter = undo.iter
+        s.rng.set_state(undo.rng)
+        s.total_numel_before_compression, s.total_numel_after_compression = undo.numel
+        s.error_dict, s.p_memory_dict, s.q_memory_dict = undo.error, undo.p_memory, undo.q_memory
 
     # -- bucket layout -------------------------------------------------------------------
     def _follow_layout(self, bucket: dist.GradBucket) -> None:
@@ -359,7 +413,9 @@ class BoundDDPPowerSGD(BoundDDP):
         """PowerSGD's memories as tensors and plain numbers only, so that
         ``torch.load(weights_only=True)`` reads a checkpoint (``PowerSGDState`` itself pickles a
         numpy RandomState). Memories are flat over the single bucket; ``layout`` (parameter
-        names in bucket order) lets a resumed run re-align them to its own bucket order."""
+        names in bucket order) lets a resumed run re-align them to its own bucket order. A
+        skipped step's changes are put back first."""
+        self._put_back_skipped()
         s = self.state
         kind, keys, pos, has_gauss, cached = s.rng.get_state()
         return {
@@ -374,6 +430,7 @@ class BoundDDPPowerSGD(BoundDDP):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._undo = None
         s = self.state
         s.iter = int(state["iter"])
         s.error_dict = {int(k): v.clone() for k, v in state["error"].items()}
@@ -384,6 +441,20 @@ class BoundDDPPowerSGD(BoundDDP):
         s.total_numel_before_compression = int(state["numel_before"])
         s.total_numel_after_compression = int(state["numel_after"])
         self._layout = tuple(state["layout"]) or None
+
+
+@dataclass
+class _Undo:
+    """What ``powerSGD_hook`` changes in one step, as it was before the step's backward
+    (:meth:`BoundDDPPowerSGD._keep`)."""
+
+    step: int                              #: ``ctx.steps`` of that step
+    iter: int
+    rng: tuple                             #: the state of the numpy RandomState that seeds fresh Q
+    numel: tuple[int, int]                 #: the compression statistics' counters
+    error: dict[int, torch.Tensor]         #: the error tensors themselves
+    p_memory: dict[int, torch.Tensor]      #: copies
+    q_memory: dict[int, torch.Tensor]      #: copies
 
 
 def _permute(flat: torch.Tensor, old: dict[str, slice], new: dict[str, slice]) -> torch.Tensor:

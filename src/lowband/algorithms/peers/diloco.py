@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm.wire import allreduce_bytes
-from ..base import Algorithm, BoundAlgorithm, EngineContext
+from ..base import Algorithm, BoundAlgorithm, EngineContext, Finiteness
 
 #: the torchft release these peers are written against (``pip install 'lowband[peers]'``)
 TORCHFT_VERSION = "0.2.0"
@@ -277,7 +277,7 @@ class BoundDiLoCo(BoundAlgorithm):
     def _steps_per_sync(self) -> int:
         return self.cfg.sync_every // self.cfg.fragments
 
-    def gradients_applied_late(self) -> bool:
+    def finiteness(self) -> Finiteness:
         """An inner step changes only this worker's model, so the engine's finiteness check is
         decided at the next ``step()``, before anything of that step is applied or sent: inner
         steps pay no per-step barrier.
@@ -285,7 +285,7 @@ class BoundDiLoCo(BoundAlgorithm):
         from its own counters) decides at once, before its pseudo-gradient leaves."""
         d = self._diloco
         after = d._local_step + 1
-        return after not in (d._sync_every - d._fragment_sync_delay, d._sync_every)
+        return Finiteness.NOW if after in (d._sync_every - d._fragment_sync_delay, d._sync_every) else Finiteness.LATE
 
     def step(self) -> None:
         before = self._sync_wait_s

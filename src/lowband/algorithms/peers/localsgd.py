@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.communicator import flatten, unflatten_into
-from ..base import Algorithm, BoundAlgorithm, EngineContext
+from ..base import Algorithm, BoundAlgorithm, EngineContext, Finiteness
 from ..buckets import Bucket, BucketSet
 from ..warmup import Periodic, Warmup
 
@@ -89,12 +89,12 @@ class BoundLocalSGD(BoundAlgorithm):
             return "warmup"
         return "average" if self._averaging.fires(t) else "local"
 
-    def gradients_applied_late(self) -> bool:
+    def finiteness(self) -> Finiteness:
         """A local step changes only this rank's replica, so the engine's finiteness check is
         decided at the next ``step()``, before anything of that step is applied or sent:
         local steps pay no per-step barrier. Warm-up steps (gradients all-reduced) and steps
         that end with an average decide at once, before the NaN could reach another rank."""
-        return self._kind(self._step) == "local"
+        return Finiteness.LATE if self._kind(self._step) == "local" else Finiteness.NOW
 
     def step(self) -> None:
         kind = self._kind(self._step)
