@@ -610,7 +610,7 @@ def test_pattern_steps_take_the_codes_defaults():
     assert pattern_steps("cpsgd", {}) == 1
     assert pattern_steps("cpsgd", {"correction": "spread", "correction_period": 50}) == 1
     assert pattern_steps("cpsgd", {"correction": "burst", "correction_period": 5}) == 5
-    assert pattern_steps("cpsgd", {"correction": "burst"}) == 20
+    assert pattern_steps("cpsgd", {"correction": "burst"}) == algorithm_defaults("cpsgd")["correction_period"] == 80
     assert pattern_steps("localsgd", {"period": 8}) == 8
     assert pattern_steps("diloco", {}) == algorithm_defaults("diloco")["sync_every"] == 16
     assert pattern_steps("lazy", {"tau": 3.2}) == 4

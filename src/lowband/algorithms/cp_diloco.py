@@ -155,9 +155,8 @@ class CPDiLoCo(Algorithm):
             ``min_sync_every`` and changes only at round boundaries; each step's H is in the
             step metrics (``sync_every``). The decision depends on measured time, so two runs
             may choose different H (a checkpoint saves the H reached and the pending
-            measurements). Shorter rounds train better at equal steps (H = 2 against 16: cnn
-            +1.4 pp, gpt 3.0% against 6.2% above ``ssgd``'s loss; docs/cp-diloco.md), so the
-            smallest H the link hides is the best H.
+            measurements). Shorter rounds train better at equal steps (the sweep in
+            docs/cp-diloco.md), so the smallest H the link hides is the best H.
         min_sync_every, max_sync_every: the range of H under ``"auto"`` (ignored otherwise). 2:
             one-step rounds with the pipeline's one-round delay trained worse than two-step
             ones (gpt); 64: a cap on the drift a round may accumulate between replicas when
@@ -167,9 +166,8 @@ class CPDiLoCo(Algorithm):
             hundreds of steps).
         outer_momentum: its momentum (0: plain SGD on the outer gradient). 0: the pipelined
             outer step applies every average one round late, and a late gradient under
-            momentum overshoots (the delayed-momentum instability): at H = 2, momentum 0.5
-            cost cnn 1.4 pp; with ``pipelined=False`` and long rounds DiLoCo's 0.9 is the usual
-            choice.
+            momentum overshoots (the delayed-momentum instability; docs/cp-diloco.md); with
+            ``pipelined=False`` and long rounds DiLoCo's 0.9 is the usual choice.
         nesterov: Nesterov momentum, as DiLoCo's outer optimizer (False: heavy ball).
         compressor, compressor_options, collective: the outer gradient's codec and collective,
             as for ``compressed``: lowband's 2-bit codec in its scale-aware mode (fire at the

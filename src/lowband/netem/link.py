@@ -42,9 +42,9 @@ FRAME_BYTES = 1514
 #: the GSO segment count Linux uses by default (64 KB packets)
 MAX_SEGMENTS = 44
 #: a packet is at most this many seconds of the rate (rounded down to whole segments, >= 1).
-#: Each packet costs tbf one watchdog wake-up, which is what a paced link spends its CPU on:
-#: at 200 Mbit/s, 1-segment packets (100 us) cost 25.6 kernel CPU-s per GB, 4-segment packets
-#: (250 us) 1.7, and delivery stayed within 1.02-1.07x of bytes / rate (docs/netem.md)
+#: Each packet costs tbf one watchdog wake-up, which is what a paced link spends its CPU on, so
+#: longer packets cost less CPU per byte; this slice keeps delivery within a few percent of
+#: bytes / rate (docs/netem.md has both, measured)
 PACKET_S = 250e-6
 #: the bucket holds one packet plus this many seconds of the rate: tbf's watchdog timer wakes a
 #: little late, and tokens that arrive meanwhile must not be lost to a full bucket, or the link

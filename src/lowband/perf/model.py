@@ -568,7 +568,7 @@ def _cpsgd(st: _Step, o: dict, steps: int) -> list[int]:
     (:func:`estimate`)."""
     groups = st.buckets(range(len(st.p.params)), o.get("bucket_mb", 1.0))
     collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
-    k = o.get("correction_period", 20)
+    k = o.get("correction_period", 80)
     mode = o.get("correction", "spread")
     if mode not in ("burst", "spread"):
         raise ValueError(f"cpsgd: correction must be burst or spread, got {mode!r}")
