@@ -337,9 +337,17 @@ _OWNER = textwrap.dedent("""
 """)
 
 
+def _default_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their defaults, as a terminal's job gets
+    them, whatever the test process inherited (a signal ignored there stays ignored in every
+    child, and Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _start_owner(run_id: str) -> tuple[subprocess.Popen[str], int]:
     p = subprocess.Popen([sys.executable, "-c", _OWNER, run_id], env=_child_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     assert p.stdout is not None
     line = p.stdout.readline()
     assert line.startswith("READY"), p.stderr.read() if p.stderr else line

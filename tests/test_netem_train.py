@@ -26,7 +26,15 @@ def start(run_dir: Path, steps: int, rate: str = "100mbit") -> subprocess.Popen:
            "--batch-size", "32", "--max-steps", str(steps), "--bandwidth", rate, "--no-progress",
            "--timeout", "20", "--run-dir", str(run_dir)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their defaults, as a terminal's job gets
+    them, whatever the test process inherited (a signal ignored there stays ignored in every
+    child, and Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def namespaces_of(pid: int) -> list[str]:
