@@ -13,12 +13,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(REPO, "src")
 #: a tiny, fast run: the mlp on synthetic data, 256 steps per epoch with 2 workers
 SMALL = ["--workers", "2", "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress"]
-#: Algorithms whose command-line failure and resume paths are exercised by default: one of each
-#: kind of state (none, background compression thread + residuals, pipeline, lazy accumulators,
-#: DDP). Every algorithm's own state round trip is tested in-process (tests/test_resume.py);
-#: LOWBAND_ALL_ALGORITHMS=1 runs the command-line tests for all of them (about 5 more minutes).
-CLI_ALGORITHMS = sorted(lowband.ALGORITHMS) if os.environ.get("LOWBAND_ALL_ALGORITHMS") == "1" else \
-    ["compressed", "cpsgd", "ddp", "lazy", "ssgd"]
+#: Algorithms whose command-line failure paths are exercised by default: one of each kind of
+#: state a dead peer can leave a survivor blocked in: a collective on the background queue
+#: (compressed), a pipelined round in flight beside per-step finiteness exchanges (cp-diloco),
+#: lazy accumulators beside per-step all-reduces (lazy), and torch's DDP. Every algorithm's own
+#: state round trip is tested in-process (tests/test_resume.py); LOWBAND_ALL_ALGORITHMS=1 runs
+#: the command-line tests for all of them (about 5 more minutes).
+ALL_ALGORITHMS = os.environ.get("LOWBAND_ALL_ALGORITHMS") == "1"
+CLI_ALGORITHMS = sorted(lowband.ALGORITHMS) if ALL_ALGORITHMS else ["compressed", "cp-diloco", "ddp", "lazy"]
+#: The crash-mid-checkpoint-then-resume command-line test (three launches of two workers each,
+#: ~20 s per algorithm) by default runs the two kinds of state whose resume goes through the
+#: command line differently: a step in flight on the background queue (cpsgd: its checkpoint
+#: waits for the step and saves W, the in-flight average and the residuals) and torch's own DDP.
+#: The atomic write, the manifest and the pruning under test do not depend on the algorithm,
+#: and every algorithm's resume is bit-exact in tests/test_resume.py.
+CRASH_ALGORITHMS = sorted(lowband.ALGORITHMS) if ALL_ALGORITHMS else ["cpsgd", "ddp"]
 #: flags that end an algorithm's warm-up after a few steps, so a short command-line run reaches
 #: the compressed and pipelined phases (resume tests must run well past the warm-up)
 PAST_WARMUP = {

@@ -1,6 +1,7 @@
 """Checkpoint and resume through ``lowband train``: a crash halfway through writing a
 checkpoint leaves the previous one intact and loadable, and a run resumed from it ends with
-bit-identical state to one that never stopped, for every algorithm. The compressing
+bit-identical state to one that never stopped (``CRASH_ALGORITHMS``: CP-SGD with a step in
+flight and DDP by default; every algorithm with LOWBAND_ALL_ALGORITHMS=1). The compressing
 algorithms run past their warm-up (``PAST_WARMUP``) before the first checkpoint: compressed
 SGD resumes with residuals from the background queue, CP-SGD with a step in flight (W, the
 in-flight average, residuals, the correction schedule)."""
@@ -18,7 +19,7 @@ from lowband.app.config import TrainConfig
 from lowband.app.cli import main as cli_main
 from lowband.app.metrics import read_jsonl
 
-from .cli_runs import CLI_ALGORITHMS, PAST_WARMUP, SMALL, train
+from .cli_runs import CRASH_ALGORITHMS, PAST_WARMUP, SMALL, train
 
 TOTAL = 12          # steps of every run
 EVERY = 4           # --checkpoint-every
@@ -84,7 +85,7 @@ def reference(tmp_path_factory) -> dict[str, str]:
     return get
 
 
-@pytest.mark.parametrize("algorithm", CLI_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", CRASH_ALGORITHMS)
 def test_crash_mid_checkpoint_then_resume_equals_uninterrupted_run(tmp_path, reference, algorithm):
     """Rank 1 is SIGKILLed halfway through writing its checkpoint of step STOP_AT: the
     previous checkpoint survives, and resuming from it reproduces the uninterrupted run."""

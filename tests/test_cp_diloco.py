@@ -132,6 +132,17 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
                 torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             opt.step()
         if (t - warmup + 1) % H:
+            a = cfg.apply_after
+            if cfg.pipelined and pending is not None and a is not None and (t - warmup) % H + 1 == a:
+                # the round in flight applied a steps into the next round: each worker rebased
+                # onto the new anchor with its progress since the round end kept
+                with torch.no_grad():
+                    step_outer(pending)
+                    for i, m in enumerate(workers):
+                        p = base[i] - _flat(m)
+                        _write(m, anchor.detach() - cfg.local_weight * p)
+                        base[i] = _flat(m) + p
+                pending = None
             continue
         r = (t - warmup) // H
         d = [base[i] - _flat(workers[i]) for i in range(world)]
@@ -212,7 +223,13 @@ def test_uncompressed_unpipelined_equals_diloco(kind):
     dict(sync_every=3, correction_every=None, local_weight=0.5),
     # unpipelined, no correction, heavy-ball outer momentum
     dict(sync_every=3, correction_every=None, pipelined=False, nesterov=False),
-], ids=["pipelined-burst", "pipelined-spread", "pipelined-mixed", "unpipelined-nocorrection"])
+    # pipelined, each average applied after the first inner step of the next round, with
+    # Nesterov outer momentum and the spread correction
+    dict(sync_every=4, correction_every=3, apply_after=1, outer_lr=0.7, outer_momentum=0.5),
+    # applied after two inner steps, half of the own progress kept
+    dict(sync_every=3, correction_every=None, apply_after=2, local_weight=0.5),
+], ids=["pipelined-burst", "pipelined-spread", "pipelined-mixed", "unpipelined-nocorrection", "apply-after-1",
+        "apply-after-2-mixed"])
 def test_compressed_equals_simulation(opts):
     """Each mechanism added to the DiLoCo reference: per-parameter 2-bit codes with error
     feedback (the codec's public compress/decompress), the one-round-late outer step with the
@@ -342,26 +359,33 @@ def test_training_reduces_loss():
     assert mid < 0.5 * first and last < 0.5 * first, (first, mid, last)
 
 
+def _rebuilt(model, opt, engine, build):
+    """Save model, optimizer and engine state, close the engine, build new ones from another
+    seed with ``build()`` and load the saved state into them (a resume in one process)."""
+    state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "engine": engine.state_dict()})
+    engine.close()
+    torch.manual_seed(123)
+    model, opt, engine = build()
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    engine.load_state_dict(state["engine"])
+    return model, opt, engine
+
+
 def _checkpointed(rank: int, world: int, opts: dict, steps: int, cut: Optional[int]):
     """Train ``steps`` steps; with ``cut``, save everything after step ``cut``, build a new
     model/optimizer/engine from a different seed, load, and go on with the same batches."""
+    def build():
+        model = SmallNet()
+        opt = make_optimizer("sgd", model)
+        return model, opt, lowband.distribute(model, opt, "cp-diloco", **opts)
+
     torch.manual_seed(0)
-    model = SmallNet()
-    opt = make_optimizer("sgd", model)
-    engine = lowband.distribute(model, opt, "cp-diloco", **opts)
+    model, opt, engine = build()
     it = batches(rank, world).epoch(0)
     for t in range(steps):
         if t == cut:
-            state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
-                                   "engine": engine.state_dict()})
-            engine.close()
-            torch.manual_seed(123)
-            model = SmallNet()
-            opt = make_optimizer("sgd", model)
-            engine = lowband.distribute(model, opt, "cp-diloco", **opts)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-            engine.load_state_dict(state["engine"])
+            model, opt, engine = _rebuilt(model, opt, engine, build)
             engine.check_replicas()
         x, y = next(it)
         opt.zero_grad()
@@ -388,12 +412,12 @@ def test_resume_is_bit_exact(cut):
             assert all(torch.equal(a[n], b[n]) for n in a), rank
 
 
-def _nan_run(rank: int, world: int, bad_step: int, steps: int = 6):
+def _nan_run(rank: int, world: int, bad_step: int, steps: int = 6, pipelined: bool = True):
     """H=2 (rounds end at steps 2, 4, 6, 1-based) with rank 1's gradient NaN at ``bad_step``."""
     torch.manual_seed(0)
     model = SmallNet()
     opt = make_optimizer("sgd", model)
-    engine = lowband.distribute(model, opt, "cp-diloco", sync_every=2)
+    engine = lowband.distribute(model, opt, "cp-diloco", sync_every=2, pipelined=pipelined)
     bad = dict(model.named_parameters())["fc2.bias"]
     deferred: list = []
     try:
@@ -408,17 +432,22 @@ def _nan_run(rank: int, world: int, bad_step: int, steps: int = 6):
 
 
 def _nan_runs(rank: int, world: int) -> dict:
-    return {"local": _nan_run(rank, world, 3), "round_end": _nan_run(rank, world, 4), "clean": _nan_run(rank, world, 0)}
+    return {"local": _nan_run(rank, world, 3), "round_end": _nan_run(rank, world, 4), "clean": _nan_run(rank, world, 0),
+            "unpipelined_end": _nan_run(rank, world, 4, pipelined=False)}
 
 
 def test_nan_guard_as_localsgd():
-    """Local steps defer the finiteness decision to the next step; round ends decide at once,
-    before the round's message leaves: the anchor never takes a NaN."""
+    """Inner steps and pipelined round ends defer the finiteness decision to the next step
+    (their gradients reach the anchor a round later at the earliest); a round end that
+    applies its own average at once (``pipelined=False``) decides at once, before its message
+    leaves. Either way the anchor never takes a NaN."""
     for rank, n in enumerate(run_distributed(_nan_runs, WORLD)):
-        assert n["clean"] == {"no error": True, "deferred": [True, False] * 3}
-        local, end = n["local"], n["round_end"]
-        assert local["step"] == 3 and local["bad"] == {1: "fc2.bias"} and local["raised_at"] == 4
-        assert local["finite"] == (rank != 1) and local["anchor_finite"]
+        assert n["clean"] == {"no error": True, "deferred": [True] * 6}
+        for case, step in (("local", 3), ("round_end", 4)):
+            got = n[case]
+            assert got["step"] == step and got["bad"] == {1: "fc2.bias"} and got["raised_at"] == step + 1, (case, got)
+            assert got["finite"] == (rank != 1) and got["anchor_finite"], (case, got)
+        end = n["unpipelined_end"]
         assert end["step"] == 4 and end["raised_at"] == 4 and end["finite"] and end["anchor_finite"]
 
 
@@ -543,14 +572,7 @@ def _auto_run(rank: int, world: int, opts: dict, steps: int, cut: Optional[int],
     metrics = []
     for t in range(steps):
         if t == cut:
-            state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
-                                   "engine": engine.state_dict()})
-            engine.close()
-            torch.manual_seed(123)
-            model, opt, engine = build()
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-            engine.load_state_dict(state["engine"])
+            model, opt, engine = _rebuilt(model, opt, engine, build)
         x, y = next(it)
         opt.zero_grad()
         tasks.loss(engine.module(x), y).backward()

@@ -463,3 +463,11 @@ def test_fit_period_options_are_checked():
         lowband.CPSGD(fit_period=True, correction_period=20, fit_max_period=10)
     with pytest.raises(ValueError, match="fit_period"):
         lowband.CPSGD(fit_period=1)
+
+
+def test_adapt_period_refuses_a_start_outside_its_range():
+    assert lowband.CPSGD(adapt_period=True).correction_period == 80      # the default k is in range
+    with pytest.raises(ValueError, match="min_period <= correction_period <= max_period"):
+        lowband.CPSGD(adapt_period=True, correction_period=80, max_period=32)
+    with pytest.raises(ValueError, match="min_period <= correction_period <= max_period"):
+        lowband.CPSGD(adapt_period=True, correction_period=1, min_period=2)

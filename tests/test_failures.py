@@ -9,7 +9,7 @@ import time
 import pytest
 
 
-from .cli_runs import CLI_ALGORITHMS, SMALL, RUN_DEADLINE_S, alive, start, steps_logged, wait_until, workers_by_rank
+from .cli_runs import CLI_ALGORITHMS, PAST_WARMUP, SMALL, RUN_DEADLINE_S, alive, start, steps_logged, wait_until, workers_by_rank
 
 ENDLESS = ["--epochs", "1000"]
 #: --timeout of the stopped-worker run: short, because the test waits for it, but --timeout
@@ -24,10 +24,13 @@ TEARDOWN_S = 5.0 + 5.0
 
 
 def _start_and_wait_for_training(tmp_path, algorithm: str, timeout_s: float):
+    """A run whose steps are logged past the algorithm's (shortened) warm-up: a compressing
+    algorithm has its background queue busy, cp-diloco a round in flight."""
     run_dir = str(tmp_path / "run")
-    proc = start([*SMALL, *ENDLESS, "--algorithm", algorithm, "--timeout", str(timeout_s), "--run-dir", run_dir])
+    proc = start([*SMALL, *ENDLESS, "--algorithm", algorithm, *PAST_WARMUP.get(algorithm, []),
+                  "--timeout", str(timeout_s), "--run-dir", run_dir])
     workers = workers_by_rank(proc.pid, 2)
-    wait_until(lambda: steps_logged(run_dir) >= 2 or proc.poll() is not None, RUN_DEADLINE_S, "training steps")
+    wait_until(lambda: steps_logged(run_dir) >= 5 or proc.poll() is not None, RUN_DEADLINE_S, "training steps")
     assert proc.poll() is None, proc.communicate()
     return proc, workers
 

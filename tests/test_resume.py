@@ -31,6 +31,8 @@ NO_CHECKPOINTS = {"diloco", "streaming-diloco"}
 VARIANTS = {
     "cpsgd/burst-flush": ("cpsgd", {"warmup_steps": 2, "correction": "burst", "correction_period": 2,
                                     "flush_residual_on_correction": True, "local_update": "sgd"}),
+    # round 0 ends at step 4 with its average due after step 2 of round 1: saved in between
+    "cp-diloco/apply-after": ("cp-diloco", {"sync_every": 4, "apply_after": 2, "correction_every": 2}),
     "cp-diloco/burst-blocking": ("cp-diloco", {"warmup_steps": 1, "sync_every": 2, "correction": "burst",
                                                "correction_every": 2, "blocking_correction": True}),
     "cpsgd/adaptive": ("cpsgd", {"warmup_steps": 1, "correction_period": 2, "adapt_period": True,

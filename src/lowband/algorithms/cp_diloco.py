@@ -178,6 +178,14 @@ class CPDiLoCo(Algorithm):
             next round's outer gradient. Without it the biased 2-bit code loses mass.
         pipelined: round r's message travels during round r + 1 and is applied at its end
             (module docstring); False: every round waits for its own average (DiLoCo).
+        apply_after: pipelined only: when a round's average is applied. None (the default):
+            at the end of the next round, H steps after it was sent (CP-SGD's one-step delay,
+            one round late). An integer a >= 1: after the a-th inner step of the next round
+            (Streaming DiLoCo's overlap tau), each replica rebased onto the new anchor with its
+            own progress since the round end kept, ``theta <- A - (base - theta)``; a round
+            shorter than a applies it at its end as with None. The message must then travel
+            in a steps, not H: a smaller a means a fresher anchor and more exposed wait on a
+            slow link.
         local_weight: pipelined only: the weight of a rank's own progress of the round just
             ended in its rebased model, ``theta <- A - local_weight * d``. 1 (CP-SGD's local
             update: the own progress stands in for the average until it arrives); 0 drops it
@@ -215,6 +223,7 @@ class CPDiLoCo(Algorithm):
     collective: str = "auto"
     error_feedback: bool = True
     pipelined: bool = True
+    apply_after: Optional[int] = None
     local_weight: float = 1.0
     correction: str = "spread"
     correction_every: Optional[int] = 32
@@ -253,6 +262,14 @@ class CPDiLoCo(Algorithm):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         if isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
             raise ValueError(f"{self.name}: outer_lr must be a number > 0, got {self.outer_lr!r}")
+        a = self.apply_after
+        if isinstance(a, str):
+            try:
+                self.apply_after = a = None if a.strip().lower() == "none" else int(a.strip())
+            except ValueError:
+                pass
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1):
+            raise ValueError(f"{self.name}: apply_after must be an integer >= 1 or None, got {a!r}")
         w = self.local_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
             raise ValueError(f"{self.name}: local_weight must be in [0, 1], got {w!r}")
@@ -366,10 +383,24 @@ class BoundCPDiLoCo(BoundAlgorithm):
         return False, None
 
     def finiteness(self) -> Finiteness:
-        """As localsgd: a step that only moves this rank's replica lets the engine decide its
-        finiteness at the next ``step()``; warm-up steps and round ends decide at once, before
-        anything of them is sent."""
-        return Finiteness.NOW if self.warmup.active(self.t) or self.ends_round(self.t) else Finiteness.LATE
+        """A step whose gradients reach the anchor only at a later ``step()`` lets the engine
+        decide its finiteness at the next ``step()``: an inner step (it moves this rank's
+        replica only) and a pipelined round end (its message is applied at the end of the next
+        round, as CP-SGD's pipelined step is applied at the next step). Warm-up steps and the
+        round ends that apply their own average at once (``pipelined=False``, a blocking
+        correction) decide at once, before anything of them is sent. A deferred round end has
+        no barrier of its own: the ranks' exchange runs behind the next inner step, where a
+        decision at once would wait for the slowest rank at every round end."""
+        t = self.t
+        if self.warmup.active(t):
+            return Finiteness.NOW
+        if self.ends_round(t) and not self._pipelines(self.round):
+            return Finiteness.NOW
+        return Finiteness.LATE
+
+    def _pipelines(self, r: int) -> bool:
+        """Whether round r's average is applied a round late (not at its own end)."""
+        return self.cfg.pipelined and not (self.cfg.blocking_correction and self.message_of(r)[0])
 
     # -- flat views ----------------------------------------------------------------------
     def _flat_params(self) -> torch.Tensor:
@@ -465,6 +496,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
             if self.ends_round(t):
                 self._end_round(self.round)
                 self._next_round(t)
+            elif self._apply_due(t):
+                self._apply_early()
             if self.auto:
                 self._last_exit, self._waited_at_exit = time.perf_counter(), self.ctx.exposed_wait_s
         self.t += 1
@@ -546,13 +579,31 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.residual_clean = exact or not self.cfg.error_feedback
         return _Flight(handle, r, exact, numel=self.numel if self.auto else None)
 
+    def _apply_due(self, t: int) -> bool:
+        """Whether step ``t`` (not a round end) applies the round in flight (``apply_after``)."""
+        a = self.cfg.apply_after
+        return a is not None and self.in_flight is not None and t - self.round_start + 1 == a
+
+    @torch.no_grad()
+    def _apply_early(self) -> None:
+        """``apply_after``: the round in flight's outer step, then this replica rebased onto the
+        new anchor with its progress since the round end (``p = base - theta``) kept at
+        ``local_weight``; ``base`` moves with it, so the round's message still carries all
+        of this round's progress."""
+        theta = self._flat_params()
+        p = self.base - theta
+        self._apply(self.in_flight)
+        self.in_flight = None
+        w = self.cfg.local_weight
+        self._write_params(self.anchor - p if w == 1 else self.anchor - w * p)
+        self.base = self._flat_params().add_(p)
+
     @torch.no_grad()
     def _end_round(self, r: int) -> None:
         self._metrics["round_end"] = True
         theta = self._flat_params()
         d = self.base - theta
-        exact, _ = self.message_of(r)
-        if not self.cfg.pipelined or (exact and self.cfg.blocking_correction):
+        if not self._pipelines(r):
             if self.in_flight is not None:            # (blocking correction) the previous round first
                 self._apply(self.in_flight)
                 self.in_flight = None

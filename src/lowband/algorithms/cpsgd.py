@@ -81,7 +81,7 @@ class PeriodController:
     """
 
     min_period: int = 2
-    max_period: int = 32
+    max_period: int = 256
 
     def decide(self, k: int, d: float, n_compressed: float, v: float, n_exact: float, world: int) -> int:
         if n_compressed <= 0 or n_exact <= 0:
@@ -168,7 +168,8 @@ class CPSGD(Algorithm):
             (docs/cpsgd.md).
         adapt_period: let k follow :class:`PeriodController` (starting at
             ``correction_period``, within ``[min_period, max_period]``).
-        min_period, max_period: bounds of the adaptive k.
+        min_period, max_period: bounds of the adaptive k (2 and 256: ``correction_period`` must
+            lie within them, and 256 is ``fit_max_period``'s bound too).
         fit_period: let k follow :class:`LinkFitController` instead: k grows (up to
             ``fit_max_period``) while the pipeline's measured codec and network time per step
             exceeds 0.9 of the compute step, and shrinks back toward ``correction_period``
@@ -207,7 +208,7 @@ class CPSGD(Algorithm):
     correction_period: Optional[int] = 80
     adapt_period: bool = False
     min_period: int = 2
-    max_period: int = 32
+    max_period: int = 256
     fit_period: bool = False
     fit_max_period: int = 256
     flush_residual_on_correction: bool = True
@@ -234,8 +235,8 @@ class CPSGD(Algorithm):
         for knob in ("adapt_period", "fit_period", "flush_residual_on_correction", "compress_vectors"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"cpsgd: {knob} must be True or False, got {getattr(self, knob)!r}")
-        if self.adapt_period and (k is None or self.min_period > self.max_period):
-            raise ValueError("cpsgd: adapt_period needs a correction_period and min_period <= max_period, "
+        if self.adapt_period and (k is None or not self.min_period <= k <= self.max_period):
+            raise ValueError("cpsgd: adapt_period needs min_period <= correction_period <= max_period, "
                              f"got correction_period={k}, min_period={self.min_period}, max_period={self.max_period}")
         if self.fit_period:
             if self.adapt_period:
