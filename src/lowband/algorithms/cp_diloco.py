@@ -16,11 +16,14 @@ round ``r = (t - warmup_steps) // H``. At the end of round r, after its inner st
              or of (d + e) in fp32 with e <- 0 on a correction (all of it, or share r % k)
 
     pipelined=False (DiLoCo):   A, m <- outer(A, m, D_r);  theta <- A;  base <- A
-    pipelined=True:             D_r is launched on the reducer's background queue and waited
-                                for only at the end of round r + 1, which then does
-                                    A, m <- outer(A, m, D_{r-1})     (the previous round's)
-                                    theta <- A - w d;  base <- theta   (w = local_weight, 1)
-                                (round 0 has nothing to apply: theta and base stay)
+    pipelined=True:             D_r is launched on the reducer's background queue; base <- theta.
+                                After the a-th inner step of round r + 1 (a = apply_after,
+                                2), with p = base - theta (this rank's progress since then):
+                                    A, m <- outer(A, m, D_r)
+                                    theta <- A - w p;  base <- theta + p   (w = local_weight, 1)
+                                apply_after=None (or a round of at most a steps) applies it at
+                                the end of round r + 1 instead, before that round's own
+                                message: theta <- A - w d;  base <- theta
 
 With ``sync_every="auto"`` H is a per-round value: round r + 1 starts at the step after round
 r's end, and its H is decided at that end by :class:`SyncFitController` from measurements
@@ -134,10 +137,18 @@ class SyncFitController:
     target: float = 0.8
     low: float = 0.6
 
-    def decide(self, H: int, message_s: float, step_s: float) -> int:
+    def steps_needed(self, message_s: float, step_s: float) -> Optional[int]:
+        """The compute steps a round's message needs to travel behind (``ceil(message_s /
+        (target * step_s))``, at least 1); None for measurements that say nothing."""
         if not (math.isfinite(message_s) and math.isfinite(step_s)) or message_s < 0 or step_s <= 0:
+            return None
+        return max(1, math.ceil(message_s / (self.target * step_s)))
+
+    def decide(self, H: int, message_s: float, step_s: float) -> int:
+        need = self.steps_needed(message_s, step_s)
+        if need is None:
             return H
-        fit = max(self.min_sync_every, min(self.max_sync_every, math.ceil(message_s / (self.target * step_s))))
+        fit = max(self.min_sync_every, min(self.max_sync_every, need))
         if fit > H or message_s < self.low * H * step_s:
             return fit
         return H
@@ -155,12 +166,15 @@ class CPDiLoCo(Algorithm):
             ``min_sync_every`` and changes only at round boundaries; each step's H is in the
             step metrics (``sync_every``). The decision depends on measured time, so two runs
             may choose different H (a checkpoint saves the H reached and the pending
-            measurements). Shorter rounds train better at equal steps (the sweep in
-            docs/cp-diloco.md), so the smallest H the link hides is the best H.
-        min_sync_every, max_sync_every: the range of H under ``"auto"`` (ignored otherwise). 2:
-            one-step rounds with the pipeline's one-round delay trained worse than two-step
-            ones (gpt); 64: a cap on the drift a round may accumulate between replicas when
-            the link is very slow (not measured).
+            measurements). With the average applied ``apply_after`` steps into the next round,
+            rounds of 8 train as well as shorter ones at equal steps (docs/cp-diloco.md), so H
+            starts at 8 and grows only when the link cannot carry a message per round.
+        min_sync_every, max_sync_every: the range of H under ``"auto"`` (ignored otherwise). 8:
+            with each average applied 2 steps into the next round (``apply_after``), 8-step
+            rounds train as well as ``ssgd`` at equal steps on cnn while a round's codec work,
+            rebase and bytes are spread over 8 steps (the sweep in docs/cp-diloco.md); 64: a
+            cap on the drift a round may accumulate between replicas when the link is very
+            slow (not measured).
         outer_lr: the outer optimizer's learning rate. 1.0: with short rounds the outer step
             applies the average as it is (DiLoCo's 0.7 with momentum suits rounds of
             hundreds of steps).
@@ -178,14 +192,16 @@ class CPDiLoCo(Algorithm):
             next round's outer gradient. Without it the biased 2-bit code loses mass.
         pipelined: round r's message travels during round r + 1 and is applied at its end
             (module docstring); False: every round waits for its own average (DiLoCo).
-        apply_after: pipelined only: when a round's average is applied. None (the default):
-            at the end of the next round, H steps after it was sent (CP-SGD's one-step delay,
-            one round late). An integer a >= 1: after the a-th inner step of the next round
-            (Streaming DiLoCo's overlap tau), each replica rebased onto the new anchor with its
-            own progress since the round end kept, ``theta <- A - (base - theta)``; a round
-            shorter than a applies it at its end as with None. The message must then travel
-            in a steps, not H: a smaller a means a fresher anchor and more exposed wait on a
-            slow link.
+        apply_after: pipelined only: when a round's average is applied. An integer a >= 1
+            (2, the default): after the a-th inner step of the next round (Streaming DiLoCo's
+            overlap tau), each replica rebased onto the new anchor with its own progress since
+            the round end kept, ``theta <- A - (base - theta)``; a round of at most a steps
+            applies it at its end. None: at the end of the next round, H steps after it was
+            sent (CP-SGD's one-step delay, one round late). The message must travel within a
+            steps, so under ``sync_every="auto"`` a is raised to the steps the measured message
+            needs (the same rule and measurements as H). 2: at equal steps on cnn, H = 8
+            with a = 2 matched ``ssgd`` where H = 8 applied a round late lost 3 pp
+            (docs/cp-diloco.md).
         local_weight: pipelined only: the weight of a rank's own progress of the round just
             ended in its rebased model, ``theta <- A - local_weight * d``. 1 (CP-SGD's local
             update: the own progress stands in for the average until it arrives); 0 drops it
@@ -213,7 +229,7 @@ class CPDiLoCo(Algorithm):
     """
 
     sync_every: Union[int, str] = "auto"
-    min_sync_every: int = 2
+    min_sync_every: int = 8
     max_sync_every: int = 64
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
@@ -223,7 +239,7 @@ class CPDiLoCo(Algorithm):
     collective: str = "auto"
     error_feedback: bool = True
     pipelined: bool = True
-    apply_after: Optional[int] = None
+    apply_after: Optional[int] = 2
     local_weight: float = 1.0
     correction: str = "spread"
     correction_every: Optional[int] = 32
@@ -346,6 +362,9 @@ class BoundCPDiLoCo(BoundAlgorithm):
         # the round schedule (agreed on every rank): the current round, its first step, its H
         self.auto = cfg.sync_every == "auto"
         self.H = cfg.min_sync_every if self.auto else cfg.sync_every
+        #: the inner step of a round after which the previous round's average is applied
+        #: (``apply_after``; under ``"auto"`` raised to the steps the message needs)
+        self.apply_at = cfg.apply_after
         self.round, self.round_start = 0, cfg.warmup_steps
         #: (round, its first step, H) where H took a new value
         self.H_history: list[list[int]] = [[0, cfg.warmup_steps, self.H]]
@@ -475,8 +494,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
     # -- iteration -----------------------------------------------------------------------
     def step(self) -> None:
         t = self.t
-        self._metrics = {"round": self.round_of(t), "sync_every": self.H, "warmup": self.warmup.active(t),
-                         "round_end": False, "message": None}
+        self._metrics = {"round": self.round_of(t), "sync_every": self.H, "apply_after": self.apply_at,
+                         "warmup": self.warmup.active(t), "round_end": False, "message": None}
         if self.warmup.active(t):
             self._average_gradients()
         elif self.anchor is None:                     # the first round starts from these weights
@@ -534,6 +553,9 @@ class BoundCPDiLoCo(BoundAlgorithm):
             message_s, step_s = self._agreed
             self._agreed = None
             if message_s >= 0 and step_s > 0:
+                need = self.fit.steps_needed(message_s, step_s)
+                if self.cfg.apply_after is not None and need is not None:
+                    self.apply_at = max(self.cfg.apply_after, need)
                 H = self.fit.decide(self.H, message_s, step_s)
                 if H != self.H:
                     self.H = H
@@ -581,7 +603,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
 
     def _apply_due(self, t: int) -> bool:
         """Whether step ``t`` (not a round end) applies the round in flight (``apply_after``)."""
-        a = self.cfg.apply_after
+        a = self.apply_at
         return a is not None and self.in_flight is not None and t - self.round_start + 1 == a
 
     @torch.no_grad()
@@ -706,7 +728,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
             "residual_norm": self.residual_norm,
             "anchor": self._by_name(self.anchor), "momentum": self._by_name(self.momentum),
             "base": self._by_name(self.base), "in_flight": None,
-            "round": self.round, "round_start": self.round_start, "sync_every": self.H,
+            "round": self.round, "round_start": self.round_start, "sync_every": self.H, "apply_at": self.apply_at,
             "sync_every_history": [list(h) for h in self.H_history],
         }
         if self.auto:
@@ -737,6 +759,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
             self.H_history = [[int(x) for x in h] for h in state["sync_every_history"]]
             if self.auto:
                 self.H = int(state["sync_every"])
+            self.apply_at = state.get("apply_at", self.cfg.apply_after)
         else:                                          # a checkpoint from before the round state
             done = max(0, self.t - self.cfg.warmup_steps)
             self.round = done // self.H
