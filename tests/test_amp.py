@@ -44,7 +44,7 @@ OPTIONS: dict[str, dict] = {
     **SHORT_SCHEDULES,
     "lazy": {"lazy_layers": 1, "tied": "split"},
     "diloco": {"sync_every": 4, "timeout_s": 30.0},
-    "streaming-diloco": {"sync_every": 4, "timeout_s": 30.0},
+    "streaming-diloco": {"sync_every": 4, "fragments": 2, "timeout_s": 30.0},
 }
 #: ranks whose gradient holds the inf. ``noop`` shares nothing, so each rank's scaler decides on
 #: its own gradient alone; every rank gets the inf there, so its reference (the guard, which

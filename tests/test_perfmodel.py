@@ -605,14 +605,14 @@ def test_pattern_steps_take_the_codes_defaults():
     """The period of each algorithm's step pattern, with the knobs it is not given at the
     registry's defaults (what estimate simulates and the validation measures in blocks of):
     CP-SGD's spread correction sends the same bytes every step, a burst one makes one step in k
-    an fp32 step; DiLoCo syncs every 16 steps by default (the validation once took its raw
+    an fp32 step; DiLoCo syncs every 32 steps by default (the validation once took its raw
     options and measured it in 50-step blocks, the model's fallback)."""
     assert pattern_steps("cpsgd", {}) == 1
     assert pattern_steps("cpsgd", {"correction": "spread", "correction_period": 50}) == 1
     assert pattern_steps("cpsgd", {"correction": "burst", "correction_period": 5}) == 5
     assert pattern_steps("cpsgd", {"correction": "burst"}) == algorithm_defaults("cpsgd")["correction_period"] == 80
     assert pattern_steps("localsgd", {"period": 8}) == 8
-    assert pattern_steps("diloco", {}) == algorithm_defaults("diloco")["sync_every"] == 16
+    assert pattern_steps("diloco", {}) == algorithm_defaults("diloco")["sync_every"] == 32
     assert pattern_steps("lazy", {"tau": 3.2}) == 4
     assert pattern_steps("ssgd", {}) == 1
     with pytest.raises(ValueError):

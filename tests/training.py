@@ -22,7 +22,7 @@ SHORT_SCHEDULES: dict[str, dict[str, Any]] = {
     "localsgd": {"warmup_steps": 1, "period": 3},
     "cp-diloco": {"sync_every": 3, "correction_every": 2},
     "diloco": {"sync_every": 4},
-    "streaming-diloco": {"sync_every": 4},
+    "streaming-diloco": {"sync_every": 4, "fragments": 2},
 }
 
 

@@ -18,7 +18,7 @@ round ``r = (t - warmup_steps) // H``. At the end of round r, after its inner st
     pipelined=False (DiLoCo):   A, m <- outer(A, m, D_r);  theta <- A;  base <- A
     pipelined=True:             D_r is launched on the reducer's background queue; base <- theta.
                                 After the a-th inner step of round r + 1 (a = apply_after,
-                                2), with p = base - theta (this rank's progress since then):
+                                1), with p = base - theta (this rank's progress since then):
                                     A, m <- outer(A, m, D_r)
                                     theta <- A - w p;  base <- theta + p   (w = local_weight, 1)
                                 apply_after=None (or a round of at most a steps) applies it at
@@ -41,15 +41,16 @@ With a fixed ``sync_every`` the schedule is the formula above and nothing is app
 ``m <- mu m + D`` (``m = D`` at the first step), ``A <- A - lr (D + mu m)`` (Nesterov) or
 ``A <- A - lr m``.
 
-The pipelined local update is CP-SGD's (``w = W_{t-1} - alpha g_t``) one round late: when the
-average of round r arrives, each rank rebases onto the new anchor and keeps only its own
-progress of round r + 1 (``d``, at full weight), which stands in for the average of round
-r + 1 until that arrives a round later and replaces it. No progress is counted twice: a
-rank's round-r progress leaves its model when the average that contains it enters A. The
-average is applied at the end of the next round, not "when it arrives": the trajectory is then
-a function of the data alone (bit-reproducible, and a checkpoint needs only the average, not
-when it came). Nothing waits unless the round's message has not arrived when the next round
-ends: the link must carry one round's message per H compute steps.
+The pipelined local update is CP-SGD's (``w = W_{t-1} - alpha g_t``) with a round for a step:
+when the average of round r is applied, each rank rebases onto the new anchor and keeps only
+its own progress since round r ended (at full weight), which stands in for the average of the
+round in progress until that is applied in turn. No progress is counted twice: a rank's
+round-r progress leaves its model when the average that contains it enters A. The average is
+applied at a fixed step (``apply_after`` steps into the next round, or at its end), not "when
+it arrives": the trajectory is then a function of the data alone (bit-reproducible, and a
+checkpoint needs only the average, not when it came). Nothing waits unless the round's message
+has not arrived by then: the link must carry one round's message in ``apply_after`` compute
+steps (under ``sync_every="auto"`` the apply step moves later when it cannot).
 
 Corrections (``correction_every`` = k; None: never):
 
@@ -167,20 +168,20 @@ class CPDiLoCo(Algorithm):
             step metrics (``sync_every``). The decision depends on measured time, so two runs
             may choose different H (a checkpoint saves the H reached and the pending
             measurements). With the average applied ``apply_after`` steps into the next round,
-            rounds of 8 train as well as shorter ones at equal steps (docs/cp-diloco.md), so H
-            starts at 8 and grows only when the link cannot carry a message per round.
-        min_sync_every, max_sync_every: the range of H under ``"auto"`` (ignored otherwise). 8:
-            with each average applied 2 steps into the next round (``apply_after``), 8-step
-            rounds train as well as ``ssgd`` at equal steps on cnn while a round's codec work,
-            rebase and bytes are spread over 8 steps (the sweep in docs/cp-diloco.md); 64: a
-            cap on the drift a round may accumulate between replicas when the link is very
-            slow (not measured).
+            rounds of 4 train as well as shorter ones at equal steps (docs/cp-diloco.md), so H
+            starts at 4 and grows only when the link cannot carry a message per round.
+        min_sync_every, max_sync_every: the range of H under ``"auto"`` (ignored otherwise). 4:
+            with each average applied 1 step into the next round (``apply_after``), 4-step
+            rounds matched ``ssgd`` at equal steps on cnn and came within 0.3 pp on ResNet-20
+            at 4 workers, where 8-step rounds lost 1.5 pp (docs/cp-diloco.md); 64: a cap on the
+            drift a round may accumulate between replicas when the link is very slow (not
+            measured).
         outer_lr: the outer optimizer's learning rate. 1.0: with short rounds the outer step
             applies the average as it is (DiLoCo's 0.7 with momentum suits rounds of
             hundreds of steps).
         outer_momentum: its momentum (0: plain SGD on the outer gradient). 0: the pipelined
-            outer step applies every average one round late, and a late gradient under
-            momentum overshoots (the delayed-momentum instability; docs/cp-diloco.md); with
+            outer step applies every average late, and a late gradient under momentum
+            overshoots (the delayed-momentum instability; docs/cp-diloco.md); with
             ``pipelined=False`` and long rounds DiLoCo's 0.9 is the usual choice.
         nesterov: Nesterov momentum, as DiLoCo's outer optimizer (False: heavy ball).
         compressor, compressor_options, collective: the outer gradient's codec and collective,
@@ -193,15 +194,15 @@ class CPDiLoCo(Algorithm):
         pipelined: round r's message travels during round r + 1 and is applied at its end
             (module docstring); False: every round waits for its own average (DiLoCo).
         apply_after: pipelined only: when a round's average is applied. An integer a >= 1
-            (2, the default): after the a-th inner step of the next round (Streaming DiLoCo's
+            (1, the default): after the a-th inner step of the next round (Streaming DiLoCo's
             overlap tau), each replica rebased onto the new anchor with its own progress since
             the round end kept, ``theta <- A - (base - theta)``; a round of at most a steps
             applies it at its end. None: at the end of the next round, H steps after it was
             sent (CP-SGD's one-step delay, one round late). The message must travel within a
             steps, so under ``sync_every="auto"`` a is raised to the steps the measured message
-            needs (the same rule and measurements as H). 2: at equal steps on cnn, H = 8
-            with a = 2 matched ``ssgd`` where H = 8 applied a round late lost 3 pp
-            (docs/cp-diloco.md).
+            needs (the same rule and measurements as H). 1: the freshest anchor; at equal steps
+            on cnn H = 4 with a = 1 matched ``ssgd`` where H = 4 applied a round late lost
+            0.45 pp, and H = 8 applied a round late 3 pp (docs/cp-diloco.md).
         local_weight: pipelined only: the weight of a rank's own progress of the round just
             ended in its rebased model, ``theta <- A - local_weight * d``. 1 (CP-SGD's local
             update: the own progress stands in for the average until it arrives); 0 drops it
@@ -229,7 +230,7 @@ class CPDiLoCo(Algorithm):
     """
 
     sync_every: Union[int, str] = "auto"
-    min_sync_every: int = 8
+    min_sync_every: int = 4
     max_sync_every: int = 64
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
@@ -239,7 +240,7 @@ class CPDiLoCo(Algorithm):
     collective: str = "auto"
     error_feedback: bool = True
     pipelined: bool = True
-    apply_after: Optional[int] = 2
+    apply_after: Optional[int] = 1
     local_weight: float = 1.0
     correction: str = "spread"
     correction_every: Optional[int] = 32

@@ -505,7 +505,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     configs.sort(key=lambda c: (c[0], c[5]))
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    command = "lowband " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowband") else \
+    # the command line as typed (`lowband bench ...` or `python -m lowband.app.cli bench ...`);
+    # called from Python with another argv, every parsed option instead
+    command = "lowband " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         "lowband bench " + " ".join(f"{k}={v}" for k, v in vars(args).items())
     results = {"command": command, "machine": f"{platform.node()}, {os.cpu_count()} cores",
                "link": ("tc tbf on both ends of each worker's veth, "

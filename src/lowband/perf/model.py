@@ -753,8 +753,10 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     parameters, and the spread correction's 1/k share, in fp32 in the same message) or, on a
     burst correction round, one fp32 all-reduce. Pipelined (the default), the round end waits
     only for the previous round's message, then takes the outer step and the rebase; with
-    ``pipelined=False`` (or a blocking burst correction) it waits for its own. The outer step
-    and the rebase are charged one optimizer step each. Warm-up steps are not modelled."""
+    ``apply_after`` a < H that wait, outer step and rebase come after the a-th step of the next
+    round instead; with ``pipelined=False`` (or a blocking burst correction) the round end waits
+    for its own. The outer step and the rebase are charged one optimizer step each. Warm-up
+    steps are not modelled."""
     o = _coerced("cp-diloco", o)
     H = _cp_diloco_h(o)
     collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
@@ -763,10 +765,15 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     nb = st.nbytes(everything)
     exact = _exact_bytes(st, everything, o.get("compress_vectors", False))
     glue = st.pipeline_glue("cp-diloco", [everything], codec_name, o.get("compress_vectors", False))
-    ends, prev, bg, in_flight, r = [], None, None, None, 0
+    a = o.get("apply_after")
+    ends, prev, bg, in_flight, r, apply_at = [], None, None, None, 0, None
     for s in range(steps):
         _, _, b = st.forward_backward(s, [prev])
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
+        if (s + 1) % H and s == apply_at and in_flight is not None:
+            # apply_after: the round in flight applied a steps into the next round
+            prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s, [prev, in_flight])
+            in_flight = apply_at = None
         if (s + 1) % H == 0:
             tag = f"s{s}/round{r}"
             burst = k is not None and (k == 1 or (mode == "burst" and (r + 1) % k == 0))
@@ -778,9 +785,11 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
                                        o.get("ps_servers"), exact_bytes=exact, share_bytes=share, glue_s=glue)
             waits_own = not o.get("pipelined", True) or (burst and o.get("blocking_correction", False))
             wait = bg if waits_own else in_flight
-            prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s,
-                              [prev] + ([wait] if wait is not None else []))
+            if wait is not None or waits_own:
+                prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s,
+                                  [prev] + ([wait] if wait is not None else []))
             in_flight = None if waits_own else bg
+            apply_at = s + a if a is not None and not waits_own and a < H else None
             r += 1
         ends.append(prev)
     return ends
@@ -798,7 +807,8 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
     """``sync_every="auto"`` as the algorithm's rule decides it in a run
     (:class:`lowband.algorithms.cp_diloco.SyncFitController`), from the model's own times: C, one
     local step alone, and M, one round's message alone (an unpipelined one-step round less that
-    step and the outer step); H = ceil(M / (0.8 C)) within [min_sync_every, max_sync_every]."""
+    step and the outer step); H = ceil(M / (0.8 C)) within [min_sync_every, max_sync_every], and
+    ``apply_after`` raised to ceil(M / (0.8 C))."""
     from ..algorithms.cp_diloco import SyncFitController
     o = _coerced("cp-diloco", o)
     if o.get("sync_every", 16) != "auto":
@@ -815,7 +825,10 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
     message = max(0.0, one_step({"sync_every": 1, "pipelined": False}) - step
                   - 2 * prof.optimizer_s * cluster.compute_scale)
     fit = math.ceil(message / (SyncFitController(lo, hi).target * step))
-    return {**o, "sync_every": max(lo, min(hi, fit))}
+    out = {**o, "sync_every": max(lo, min(hi, fit))}
+    if o.get("apply_after") is not None:         # raised to the steps the message needs, as in a run
+        out["apply_after"] = max(int(o["apply_after"]), fit)
+    return out
 
 
 def _cp_diloco_cycle(o: dict) -> float:

@@ -119,10 +119,10 @@ class DiLoCo(Algorithm):
 
     Knobs:
         sync_every: H, inner steps between two syncs of the whole model (with fragments, one
-            fragment syncs every H / fragments steps). 16 sends 1/16 of a gradient all-reduce
-            per step and keeps ``cnn``'s accuracy close to that of a run without communication
-            on the bench's short runs (docs/peers.md); the DiLoCo paper uses 500 on runs of many
-            thousand steps.
+            fragment syncs every H / fragments steps). 32: the fastest to the target in the
+            tuning sweep at 20 Mbit/s (cnn, 2 workers; 16 and 8 took 2.2x and longer) and within
+            15% of the fastest at 200 Mbit/s (docs/peers.md, "Tuning"); the DiLoCo paper uses
+            500 on runs of many thousand steps.
         fragments: pieces the model is cut into (contiguous runs of parameters of about equal
             size); 1 is DiLoCo. ``sync_every`` must be a multiple of it.
         fragment_sync_delay: inner steps between launching a fragment's all-reduce and
@@ -135,7 +135,7 @@ class DiLoCo(Algorithm):
         timeout_s: torchft's timeout for collectives, quorums and commit votes.
     """
 
-    sync_every: int = 16
+    sync_every: int = 32
     fragments: int = 1
     fragment_sync_delay: int = 0
     fragment_update_alpha: float = 0.0
@@ -363,11 +363,14 @@ class BoundDiLoCo(BoundAlgorithm):
 
 @dataclass
 class StreamingDiLoCo(DiLoCo):
-    """Streaming DiLoCo through torchft: DiLoCo's knobs, with defaults for streaming: 2
-    fragments (one syncs every 8 steps at H = 16), each fragment's all-reduce launched one
-    inner step before it is needed, and the new global fragment mixed half and half with the
-    local one (the Streaming DiLoCo paper's alpha = 0.5)."""
+    """Streaming DiLoCo through torchft: DiLoCo's knobs, with defaults for streaming: H = 16 in
+    2 fragments (one syncs every 8 steps), each fragment's all-reduce launched one inner step
+    before it is needed, and the new global fragment mixed half and half with the local one
+    (the Streaming DiLoCo paper's alpha = 0.5). In the tuning sweep H = 32 with 4 fragments was
+    faster to the target at 20 Mbit/s (docs/peers.md, "Tuning"); it is not the default because
+    4 fragments need a model of at least 4 parameter tensors."""
 
+    sync_every: int = 16
     fragments: int = 2
     fragment_sync_delay: int = 1
     fragment_update_alpha: float = 0.5
