@@ -280,11 +280,6 @@ class CPDiLoCo(Algorithm):
         if isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
             raise ValueError(f"{self.name}: outer_lr must be a number > 0, got {self.outer_lr!r}")
         a = self.apply_after
-        if isinstance(a, str):
-            try:
-                self.apply_after = a = None if a.strip().lower() == "none" else int(a.strip())
-            except ValueError:
-                pass
         if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1):
             raise ValueError(f"{self.name}: apply_after must be an integer >= 1 or None, got {a!r}")
         w = self.local_weight
@@ -405,8 +400,9 @@ class BoundCPDiLoCo(BoundAlgorithm):
     def finiteness(self) -> Finiteness:
         """A step whose gradients reach the anchor only at a later ``step()`` lets the engine
         decide its finiteness at the next ``step()``: an inner step (it moves this rank's
-        replica only) and a pipelined round end (its message is applied at the end of the next
-        round, as CP-SGD's pipelined step is applied at the next step). Warm-up steps and the
+        replica only) and a pipelined round end (its message is applied at a later step,
+        ``apply_after`` steps into the next round or at its end, as CP-SGD's pipelined step is
+        applied at the next step). Warm-up steps and the
         round ends that apply their own average at once (``pipelined=False``, a blocking
         correction) decide at once, before anything of them is sent. A deferred round end has
         no barrier of its own: the ranks' exchange runs behind the next inner step, where a
@@ -419,7 +415,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
         return Finiteness.LATE
 
     def _pipelines(self, r: int) -> bool:
-        """Whether round r's average is applied a round late (not at its own end)."""
+        """Whether round r's average is applied at a later step (not at its own end)."""
         return self.cfg.pipelined and not (self.cfg.blocking_correction and self.message_of(r)[0])
 
     # -- flat views ----------------------------------------------------------------------
@@ -618,8 +614,11 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self._apply(self.in_flight)
         self.in_flight = None
         w = self.cfg.local_weight
-        self._write_params(self.anchor - p if w == 1 else self.anchor - w * p)
-        self.base = self._flat_params().add_(p)
+        local = self.anchor - p if w == 1 else self.anchor - w * p
+        self._write_params(local)
+        # the written weights plus p (they equal ``local`` unless a parameter is not fp32)
+        fp32 = all(q.dtype == torch.float32 for q in self.ctx.params)
+        self.base = (local if fp32 else self._flat_params()).add_(p)
 
     @torch.no_grad()
     def _end_round(self, r: int) -> None:
