@@ -60,8 +60,10 @@ def serve() -> None:
         conn.sendall(b"a")
 
 
-def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float) -> None:
-    """Sender: delivery times after idle, then the bulk phase; prints one JSON line."""
+def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float, warm_bytes: int = BULK_MESSAGE
+         ) -> None:
+    """Sender: delivery times after idle, then the bulk phase (none when ``bulk_s`` is 0);
+    prints one JSON line."""
     conn = socket.socket()
     for _ in range(200):
         try:
@@ -81,9 +83,10 @@ def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float
     # Warm the connection as a long training run has: TCP grows its congestion window and the
     # receiver's buffer (autotuning) only as traffic needs them. After three 1 MB messages a
     # 1-3 MB message still took ~1.2x its wire time at 1 Gbit/s, and even unshaped 2 MB was
-    # slower than 4 MB; after the largest message every size reads ~1.07x.
+    # slower than 4 MB; after the largest message every size reads ~1.07x. A probe of small
+    # messages alone may warm with less (``warm_bytes``).
     for _ in range(3):
-        exchange(BULK_MESSAGE)
+        exchange(warm_bytes)
     times = {}
     for n in sizes:
         samples = []
@@ -91,6 +94,10 @@ def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float
             time.sleep(idle_s)
             samples.append(exchange(n))
         times[n] = statistics.median(samples)
+    if bulk_s <= 0:
+        conn.sendall((0).to_bytes(8, "little"))
+        print(json.dumps({"times": times, "bulk_bits_per_s": None, "kernel_cpu_s_per_gb": None}), flush=True)
+        return
     c0 = _kernel_cpu_s()
     time.sleep(1.0)
     baseline = _kernel_cpu_s() - c0
@@ -106,10 +113,12 @@ def send(address: str, sizes: list[int], reps: int, idle_s: float, bulk_s: float
 
 
 def measure(rate_text: str, burst: int | None, sizes: list[int], reps: int, idle_s: float, bulk_s: float,
-            workers: int = 2, ring: bool = False) -> dict:
+            workers: int = 2, ring: bool = False, warm_bytes: int = BULK_MESSAGE) -> dict:
     """Worker 0 sends to worker 1; with ``ring`` every worker r sends to worker r+1 (mod workers)
     at the same time, so every uplink and every downlink carries one stream, as in a ring
-    all-reduce. The slowest sender's median counts."""
+    all-reduce. The slowest sender's median counts. ``bulk_s=0`` skips the bulk phase (its two
+    results are then None); ``warm_bytes`` is the size of the three messages that warm the
+    connection first."""
     from lowband.netem import EmulatedCluster, parse_rate
 
     rate = parse_rate(rate_text)
@@ -119,7 +128,7 @@ def measure(rate_text: str, burst: int | None, sizes: list[int], reps: int, idle
         servers = [subprocess.Popen(cluster.worker_prefix(r) + me + ["--serve"], env=env) for r in range(workers)]
         senders = [subprocess.Popen(cluster.worker_prefix(r) + me + [
             "--send", cluster.addresses[(r + 1) % workers], "--sizes", ",".join(map(str, sizes)),
-            "--reps", str(reps), "--idle", str(idle_s), "--bulk-s", str(bulk_s)],
+            "--reps", str(reps), "--idle", str(idle_s), "--bulk-s", str(bulk_s), "--warm-bytes", str(warm_bytes)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in range(workers if ring else 1)]
         outs = []
@@ -135,10 +144,12 @@ def measure(rate_text: str, burst: int | None, sizes: list[int], reps: int, idle
                     p.kill()
                 p.wait(timeout=60)
         link = cluster.shape.describe()
+    bulk = bulk_s > 0
     return {"times": {n: max(o["times"][n] for o in outs) for n in outs[0]["times"]},
-            "bulk_bits_per_s": min(o["bulk_bits_per_s"] for o in outs),
+            "bulk_bits_per_s": min(o["bulk_bits_per_s"] for o in outs) if bulk else None,
             # every sender read the whole machine's kernel CPU over (about) the same window
-            "kernel_cpu_s_per_gb": statistics.median(o["kernel_cpu_s_per_gb"] for o in outs) / len(outs),
+            "kernel_cpu_s_per_gb": (statistics.median(o["kernel_cpu_s_per_gb"] for o in outs) / len(outs)
+                                    if bulk else None),
             "link": link, "rate": rate}
 
 
@@ -156,13 +167,14 @@ def main() -> None:
                     help="every worker sends to the next at the same time (default: only worker 0 sends)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--send", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-bytes", type=int, default=BULK_MESSAGE, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.serve:
         serve()
         return
     if args.send:
-        send(args.send, sizes, args.reps, args.idle, args.bulk_s)
+        send(args.send, sizes, args.reps, args.idle, args.bulk_s, args.warm_bytes)
         return
     burst = None
     if args.burst:

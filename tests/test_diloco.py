@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import lowband
-from lowband.algorithms.peers.diloco import CommitFailed, split_fragments, torchft_unavailable
+from lowband.algorithms.peers.diloco import CommitFailed, fragment_count, split_fragments, torchft_unavailable
 from lowband.comm.wire import allreduce_bytes
 
 from .distributed import run_distributed
@@ -144,8 +144,25 @@ def test_split_fragments_contiguous_nonempty_balanced():
         split_fragments(params, 7)
 
 
+def test_the_default_fragment_count_fits_the_model_and_an_explicit_one_is_kept():
+    """streaming-diloco's default (fragments=None): 4 fragments of H = 32, fewer for a model
+    with fewer parameter tensors (the largest count that divides H with room for the delay);
+    an explicit count is kept, and split_fragments refuses it when the model is too small."""
+    default = lowband.algorithms.make_algorithm("streaming-diloco")
+    assert (default.sync_every, default.fragments, default.fragment_sync_delay) == (32, None, 1)
+    assert [default.fragments_for(n) for n in (1, 2, 3, 4, 10)] == [1, 2, 2, 4, 4]
+    assert fragment_count(None, 4, 10, 12, 1) == 4 and fragment_count(None, 4, 10, 12, 3) == 3   # 12 / 4 = 3: no room
+    assert fragment_count(None, 4, 10, 9, 1) == 3 and fragment_count(None, 4, 10, 7, 1) == 1
+    explicit = lowband.algorithms.make_algorithm("streaming-diloco", fragments=4)
+    assert explicit.fragments_for(3) == 4
+    with pytest.raises(ValueError, match="more than the model's 3 parameter tensors"):
+        split_fragments([torch.nn.Parameter(torch.zeros(2)) for _ in range(3)], explicit.fragments_for(3))
+    assert lowband.algorithms.make_algorithm("diloco").fragments_for(10) == 1
+
+
 @pytest.mark.parametrize("options, message", [
     ({"sync_every": 6, "fragments": 4}, "must be a multiple of fragments"),
+    ({"sync_every": 6, "fragments": None, "fragment_sync_delay": 6}, "must be less than sync_every / fragments"),
     ({"sync_every": 8, "fragments": 2, "fragment_sync_delay": 4}, "must be less than sync_every / fragments"),
     ({"fragment_update_alpha": 1.5}, "fragment_update_alpha must be in"),
     ({"outer_lr": 0}, "outer_lr must be > 0"),

@@ -172,7 +172,7 @@ class CPDiLoCo(Algorithm):
             starts at 4 and grows only when the link cannot carry a message per round.
         min_sync_every, max_sync_every: the range of H under ``"auto"`` (ignored otherwise). 4:
             with each average applied 1 step into the next round (``apply_after``), 4-step
-            rounds matched ``ssgd`` at equal steps on cnn and came within 0.3 pp on ResNet-20
+            rounds matched ``ssgd`` at equal steps on cnn and came within 0.35 pp on ResNet-20
             at 4 workers, where 8-step rounds lost 1.5 pp (docs/cp-diloco.md); 64: a cap on the
             drift a round may accumulate between replicas when the link is very slow (not
             measured).

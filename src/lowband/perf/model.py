@@ -860,9 +860,11 @@ def _streaming_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     quorum of every replica, the fragment goes as one all-reduce per parameter
     (``use_bucketization=False``, each call paying its own messages' latency), and the merge
     waits for a commit vote of every replica (:func:`_barrier`)."""
-    count = max(1, int(o.get("fragments", 2)))
-    period = max(1, int(o.get("sync_every", 16)) // count)
-    delay = max(0, int(o.get("fragment_sync_delay", 0)))
+    from ..algorithms.peers.diloco import StreamingDiLoCo, fragment_count
+    H, delay = max(1, int(o["sync_every"])), max(0, int(o["fragment_sync_delay"]))
+    fragments = None if o["fragments"] is None else int(o["fragments"])
+    count = fragment_count(fragments, StreamingDiLoCo.AUTO_FRAGMENTS, len(st.p.params), H, delay)
+    period = max(1, H // count)
     groups = fragment_groups(st.p, count)
     total = float(st.p.gradient_bytes) or 1.0
     ends, prev, pending, launched = [], None, {}, 0
@@ -936,7 +938,7 @@ MODELS: dict[str, AlgorithmModel] = {
                              lambda o: float(o["sync_every"]),
                              "as localsgd plus an outer optimizer step"),
     "streaming-diloco": AlgorithmModel(
-        _streaming_diloco, lambda o: float(max(1, int(o.get("sync_every", 16)))),
+        _streaming_diloco, lambda o: float(max(1, int(o["sync_every"]))),
         "the fragments of lowband's split (contiguous parameters, about equal elements), one every "
         "sync_every/fragments steps in turn, launched fragment_sync_delay steps before the step that "
         "merges it waits for it, plus an outer step on the fragment"),

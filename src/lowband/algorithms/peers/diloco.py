@@ -93,6 +93,18 @@ class _Fragment(nn.Module):
             self.register_parameter(name.replace(".", "__"), p)
 
 
+def fragment_count(fragments: Optional[int], most: int, tensors: int, sync_every: int, delay: int) -> int:
+    """``fragments`` when set (more than the model's tensors is refused by
+    :func:`split_fragments`); None: the largest count up to ``most`` that the model has
+    ``tensors`` for, that divides ``sync_every`` and leaves a period longer than ``delay``."""
+    if fragments is not None:
+        return fragments
+    for count in range(min(most, tensors), 1, -1):
+        if sync_every % count == 0 and delay < sync_every // count:
+            return count
+    return 1
+
+
 def split_fragments(params: list[nn.Parameter], count: int) -> list[list[int]]:
     """Parameter indices, in registration order, cut into ``count`` contiguous non-empty runs
     of about equal size in elements (the Streaming DiLoCo paper fragments by consecutive
@@ -124,7 +136,10 @@ class DiLoCo(Algorithm):
             15% of the fastest at 200 Mbit/s (docs/peers.md, "Tuning"); the DiLoCo paper uses
             500 on runs of many thousand steps.
         fragments: pieces the model is cut into (contiguous runs of parameters of about equal
-            size); 1 is DiLoCo. ``sync_every`` must be a multiple of it.
+            size); 1 is DiLoCo. ``sync_every`` must be a multiple of it, and the model must
+            have at least as many parameter tensors. None: the largest count up to the
+            algorithm's own (1 here, 4 for ``streaming-diloco``) that the model has tensors
+            for and that divides ``sync_every`` with room for the delay (in the summary).
         fragment_sync_delay: inner steps between launching a fragment's all-reduce and
             waiting for it (the overlap, tau in the Streaming DiLoCo paper); must be less than
             sync_every / fragments. 0: no overlap.
@@ -136,7 +151,7 @@ class DiLoCo(Algorithm):
     """
 
     sync_every: int = 32
-    fragments: int = 1
+    fragments: Optional[int] = 1
     fragment_sync_delay: int = 0
     fragment_update_alpha: float = 0.0
     outer_lr: float = 0.7
@@ -144,6 +159,8 @@ class DiLoCo(Algorithm):
     timeout_s: float = 120.0
 
     name: ClassVar[str] = "diloco"
+    #: the most fragments ``fragments=None`` cuts the model into
+    AUTO_FRAGMENTS: ClassVar[int] = 1
 
     @staticmethod
     def unavailable() -> Optional[str]:
@@ -157,14 +174,16 @@ class DiLoCo(Algorithm):
             return value
 
         integer("sync_every", 1)
-        integer("fragments", 1)
+        if self.fragments is not None:
+            integer("fragments", 1)
         integer("fragment_sync_delay", 0)
-        if self.sync_every % self.fragments:
+        count = 1 if self.fragments is None else self.fragments     # None falls back as far as 1
+        if self.sync_every % count:
             raise ValueError(f"{self.name}: sync_every ({self.sync_every}) must be a multiple of fragments "
-                             f"({self.fragments})")
-        if self.fragment_sync_delay >= self.sync_every // self.fragments:
+                             f"({count})")
+        if self.fragment_sync_delay >= self.sync_every // count:
             raise ValueError(f"{self.name}: fragment_sync_delay ({self.fragment_sync_delay}) must be less than "
-                             f"sync_every / fragments ({self.sync_every // self.fragments})")
+                             f"sync_every / fragments ({self.sync_every // count})")
         if not 0.0 <= self.fragment_update_alpha <= 1.0:
             raise ValueError(f"{self.name}: fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha!r}")
         if not self.outer_lr > 0:
@@ -176,6 +195,10 @@ class DiLoCo(Algorithm):
         reason = torchft_unavailable()
         if reason:
             raise ValueError(f"{self.name}: {reason}")
+
+    def fragments_for(self, tensors: int) -> int:
+        """The fragment count a model of ``tensors`` parameter tensors runs with."""
+        return fragment_count(self.fragments, self.AUTO_FRAGMENTS, tensors, self.sync_every, self.fragment_sync_delay)
 
     def bind(self, ctx: EngineContext) -> "BoundDiLoCo":
         return BoundDiLoCo(self, ctx)
@@ -232,7 +255,8 @@ class BoundDiLoCo(BoundAlgorithm):
             lighthouse_addr=box[0], replica_id=f"lowband_{ctx.rank}", hostname=me, max_retries=0,
         )
         self._count_allreduce_bytes()
-        self._groups = split_fragments(ctx.params, cfg.fragments)
+        self.fragments = cfg.fragments_for(len(ctx.params))
+        self._groups = split_fragments(ctx.params, self.fragments)
         fragment_modules = [_Fragment([(ctx.names[i], ctx.params[i]) for i in g]) for g in self._groups]
         outer = [torch.optim.SGD(m.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                  nesterov=cfg.outer_momentum > 0) for m in fragment_modules]
@@ -275,7 +299,7 @@ class BoundDiLoCo(BoundAlgorithm):
     # -- per iteration -------------------------------------------------------------------
     @property
     def _steps_per_sync(self) -> int:
-        return self.cfg.sync_every // self.cfg.fragments
+        return self.cfg.sync_every // self.fragments
 
     def finiteness(self) -> Finiteness:
         """An inner step changes only this worker's model, so the engine's finiteness check is
@@ -341,6 +365,9 @@ class BoundDiLoCo(BoundAlgorithm):
     def step_metrics(self) -> dict[str, Any]:
         return {"commits": self._manager.current_step()}
 
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "fragments": self.fragments}
+
     def state_dict(self) -> dict[str, Any]:
         raise ValueError(f"{self.name}: checkpoints are not supported for the torchft peers "
                          "(torchft keeps the outer state and any all-reduce in flight itself); "
@@ -363,16 +390,18 @@ class BoundDiLoCo(BoundAlgorithm):
 
 @dataclass
 class StreamingDiLoCo(DiLoCo):
-    """Streaming DiLoCo through torchft: DiLoCo's knobs, with defaults for streaming: H = 16 in
-    2 fragments (one syncs every 8 steps), each fragment's all-reduce launched one inner step
-    before it is needed, and the new global fragment mixed half and half with the local one
-    (the Streaming DiLoCo paper's alpha = 0.5). In the tuning sweep H = 32 with 4 fragments was
-    faster to the target at 20 Mbit/s (docs/peers.md, "Tuning"); it is not the default because
-    4 fragments need a model of at least 4 parameter tensors."""
+    """Streaming DiLoCo through torchft: DiLoCo's knobs, with defaults for streaming: H = 32 in
+    4 fragments (one syncs every 8 steps; fewer fragments for a model of fewer than 4 parameter
+    tensors), each fragment's all-reduce launched one inner step before it is needed, and the
+    new global fragment mixed half and half with the local one (the Streaming DiLoCo paper's
+    alpha = 0.5). H = 32 in 4 fragments was the fastest to the target in the tuning sweep at 20
+    Mbit/s (9.6 s against 12.6 s for H = 16 in 2) and tied at 200 Mbit/s (docs/peers.md,
+    "Tuning")."""
 
-    sync_every: int = 16
-    fragments: int = 2
+    sync_every: int = 32
+    fragments: Optional[int] = None
     fragment_sync_delay: int = 1
     fragment_update_alpha: float = 0.5
 
     name: ClassVar[str] = "streaming-diloco"
+    AUTO_FRAGMENTS: ClassVar[int] = 4
