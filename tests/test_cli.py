@@ -32,12 +32,28 @@ def lowband(*args, timeout=120):
     (["--option", "no_such_knob=1"], "bad options for algorithm 'ssgd'"),
     (["--epochs", "two"], "invalid int value"),
 ])
-def test_bad_input_exits_2_with_one_line(args, expected, tmp_path):
-    r = lowband("train", "--run-dir", str(tmp_path / "run"), *args)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert expected in lines[0] and "Traceback" not in r.stderr
+def test_bad_input_exits_2_with_one_line(args, expected, tmp_path, capsys):
+    """In this process (``cli.main``, which the command runs): each case is refused before
+    anything starts, so only the parser and the checks run; the command itself is run once
+    below."""
+    try:
+        rc = cli.main(["train", "--run-dir", str(tmp_path / "run"), *args])
+    except SystemExit as e:           # argparse's own errors leave through its error()
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert expected in lines[0] and "Traceback" not in err
+
+
+def test_bad_input_through_the_command_exits_2_with_one_line(tmp_path):
+    for args, expected in ((["--algorithm", "magic"], "unknown algorithm 'magic'"),
+                           (["--epochs", "two"], "invalid int value")):
+        r = lowband("train", "--run-dir", str(tmp_path / "run"), *args)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
 def test_corrupt_dataset_file_exits_2(tmp_path):

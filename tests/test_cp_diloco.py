@@ -469,10 +469,10 @@ def test_options_and_registry():
 # -- sync_every="auto" ----------------------------------------------------------------------
 
 def test_sync_fit_controller_rule():
-    """The smallest H whose message fits in 80% of H compute steps, within [min, max]; grows at
-    once, shrinks only when the message uses less than 60% of the current round; skips
-    measurements it cannot use."""
-    from lowband.algorithms.cp_diloco import SyncFitController
+    """The smallest H whose message fits in 80% of H compute steps (of half of them with
+    ``apply_after``), within [min, max]; grows at once, shrinks only when the message uses less
+    than 60% of the current round (of its half); skips measurements it cannot use."""
+    from lowband.algorithms.cp_diloco import SyncFitController, fit_share
     c = SyncFitController(1, 64)
     assert c.decide(1, 0.05, 0.01) == 7                  # 0.05 / (0.8 * 0.01) = 6.25
     assert c.decide(7, 0.05, 0.01) == 7                  # fits: stays
@@ -484,6 +484,13 @@ def test_sync_fit_controller_rule():
     assert SyncFitController(4, 64).decide(8, 0.0, 0.01) == 4     # the floor
     for H, m, s in [(5, float("nan"), 0.01), (5, 0.05, 0.0), (5, -1.0, 0.01), (5, 0.05, float("inf"))]:
         assert c.decide(H, m, s) == H
+    # with the average applied as soon as it can have arrived, the message may take half a round
+    half = SyncFitController(1, 64, share=fit_share(True, 1))
+    assert half.share == 0.5 and fit_share(True, None) == fit_share(False, 1) == 1.0
+    assert half.decide(1, 0.05, 0.01) == 13              # 0.05 / (0.8 * 0.5 * 0.01) = 12.5
+    assert half.steps_needed(0.05, 0.01) == 7             # applied 7 steps into a round of 13
+    assert half.decide(16, 0.05, 0.01) == 16             # 62.5% of half the round: in the band
+    assert half.decide(17, 0.05, 0.01) == 13             # 58.8% < 60%: shrinks
     # against the definition, from any H: the result fits (or is the cap) and H - 1 does not
     # (or is below the floor); a move down only from a round the message uses < 60% of
     g = torch.Generator().manual_seed(0)
@@ -492,11 +499,12 @@ def test_sync_fit_controller_rule():
         hi = lo + int(torch.randint(0, 40, (1,), generator=g))
         m, s = float(torch.rand(1, generator=g)) * 0.5, 0.001 + float(torch.rand(1, generator=g)) * 0.02
         H = int(torch.randint(lo, hi + 1, (1,), generator=g))
-        new = SyncFitController(lo, hi).decide(H, m, s)
-        smallest = next((h for h in range(lo, hi + 1) if m <= 0.8 * h * s), hi)
+        share = (0.5, 1.0)[int(torch.randint(0, 2, (1,), generator=g))]
+        new = SyncFitController(lo, hi, share=share).decide(H, m, s)
+        smallest = next((h for h in range(lo, hi + 1) if m <= 0.8 * share * h * s), hi)
         if new != H:
-            assert new == smallest, (lo, hi, H, m, s, new)
-            assert new > H or m < 0.6 * H * s
+            assert new == smallest, (lo, hi, H, m, s, share, new)
+            assert new > H or m < 0.6 * share * H * s
         else:
             assert H >= smallest or H == hi
 
@@ -505,21 +513,23 @@ def _fake_step_seconds(self):
     return 0.01 * (1 + self.ctx.rank)                    # the ranks' mean: 0.015 s
 
 
-#: per round, the message time of rank 0 (rank 1 measures twice as much: mean 1.5x)
-FAKE_MESSAGES = [0.02, 0.1, 0.1, 0.03, 0.2, 0.01, 0.05, 0.05, 0.3, 0.02, 0.02, 0.02, 0.02]
+#: per round, the message time of rank 0 (rank 1 measures twice as much: mean 1.5x); under
+#: the default ``apply_after`` a message may take half a round (``fit_share``)
+FAKE_MESSAGES = [0.01, 0.05, 0.05, 0.015, 0.1, 0.005, 0.025, 0.025, 0.15, 0.01, 0.01, 0.01, 0.01]
 
 
 def _fake_message_seconds(self, flight):
     return FAKE_MESSAGES[flight.round % len(FAKE_MESSAGES)] * (1 + self.ctx.rank)
 
 
-def expected_auto_schedule(steps: int, lo: int, hi: int) -> list[list[int]]:
+def expected_auto_schedule(steps: int, lo: int, hi: int, share: float = 0.5) -> list[list[int]]:
     """The ``(round, first step, H)`` changes the fake measurements give, replayed on the
     pipelined protocol: round r's end applies round r - 1's message, which carries each rank's
     median of its last 3 message times (rounds r - 2, r - 3, r - 4) and of its step times;
-    the rule takes the ranks' means (rank 1 measures twice rank 0: 1.5x rank 0's)."""
+    the rule takes the ranks' means (rank 1 measures twice rank 0: 1.5x rank 0's); ``share``:
+    1/2 with the average applied ``apply_after`` steps in (the default), 1 at the round end."""
     from lowband.algorithms.cp_diloco import SyncFitController
-    rule, H, start, r = SyncFitController(lo, hi), lo, 0, 0
+    rule, H, start, r = SyncFitController(lo, hi, share=share), lo, 0, 0
     history = [[0, 0, H]]
     while start < steps:
         end = start + H - 1

@@ -114,27 +114,40 @@ MEASURE, MISSING = "cp-diloco-measure", -1e30
 MESSAGE_WINDOW, STEP_WINDOW = 3, 16
 
 
+def fit_share(pipelined: bool, apply_after: Optional[int]) -> float:
+    """The part of a round a round's message may take under ``sync_every="auto"``
+    (:class:`SyncFitController`): 1/2 when the average is applied ``apply_after`` steps into
+    the next round, else 1."""
+    return 0.5 if pipelined and apply_after is not None else 1.0
+
+
 @dataclass
 class SyncFitController:
-    """``sync_every="auto"``: the smallest H whose round's message fits behind H compute steps.
+    """``sync_every="auto"``: the smallest H whose round's message fits behind ``share`` of H
+    compute steps.
 
     From two numbers every rank holds alike (the ranks' means of ``message_s``, the time the
     reducer's job for one round's message took on the background thread, and ``step_s``, the
     compute time of one inner step; each rank's the median of its last few samples), at a
     round end::
 
-        fit = ceil(message_s / (target * step_s))   within [min_sync_every, max_sync_every]
-        fit > H                              ->  H = fit      (the link falls behind: grow at once)
-        message_s < low * H * step_s         ->  H = fit      (much room: shrink to the fit)
-        otherwise                                 H stays
+        fit = ceil(message_s / (target * share * step_s))   within [min_sync_every, max_sync_every]
+        fit > H                                  ->  H = fit   (the link falls behind: grow at once)
+        message_s < low * share * H * step_s     ->  H = fit   (much room: shrink to the fit)
+        otherwise                                     H stays
 
-    ``target`` leaves room for jitter (the message fits in 80% of the round); the band between
-    ``low`` and ``target`` keeps H from flapping between neighbours. A round's message is the
-    same size whatever H (the whole outer gradient), so one measurement prices every H.
+    ``share`` is the part of a round the message may take: 1 when the average is applied at the
+    next round end; 1/2 when it is applied as soon as it can have arrived (``apply_after``), so
+    that a replica rebases onto an anchor at most half a round old (an average applied a whole
+    round late costs accuracy: docs/cp-diloco.md). ``target`` leaves room for jitter (the
+    message fits in 80% of its share); the band between ``low`` and ``target`` keeps H from
+    flapping between neighbours. A round's message is the same size whatever H (the whole
+    outer gradient), so one measurement prices every H.
     """
 
     min_sync_every: int
     max_sync_every: int
+    share: float = 1.0
     target: float = 0.8
     low: float = 0.6
 
@@ -149,8 +162,9 @@ class SyncFitController:
         need = self.steps_needed(message_s, step_s)
         if need is None:
             return H
-        fit = max(self.min_sync_every, min(self.max_sync_every, need))
-        if fit > H or message_s < self.low * H * step_s:
+        steps = max(1, math.ceil(message_s / (self.target * self.share * step_s)))
+        fit = max(self.min_sync_every, min(self.max_sync_every, steps))
+        if fit > H or message_s < self.low * self.share * H * step_s:
             return fit
         return H
 
@@ -161,8 +175,10 @@ class CPDiLoCo(Algorithm):
 
         sync_every: H, inner steps per round: an integer, or ``"auto"`` (the default): H
             follows the link (:class:`SyncFitController`): the smallest H whose round's
-            message, as measured in the run, fits behind H compute steps, re-decided at every round end from the
-            ranks' means of the measurements, which ride in fp32 in the round's own message
+            message, as measured in the run, fits behind H compute steps (behind H / 2 with
+            ``apply_after``, so that each average is applied at most half a round late: a
+            whole round late lost gpt-ngram its target at 20 Mbit/s), re-decided at every
+            round end from the ranks' means of the measurements, which ride in fp32 in the round's own message
             (8 bytes more per round, no collective of their own). H starts at
             ``min_sync_every`` and changes only at round boundaries; each step's H is in the
             step metrics (``sync_every``). The decision depends on measured time, so two runs
@@ -365,7 +381,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
         #: (round, its first step, H) where H took a new value
         self.H_history: list[list[int]] = [[0, cfg.warmup_steps, self.H]]
         # sync_every="auto": the rule (SyncFitController) and its measurements
-        self.fit = SyncFitController(cfg.min_sync_every, cfg.max_sync_every) if self.auto else None
+        self.fit = (SyncFitController(cfg.min_sync_every, cfg.max_sync_every, share=fit_share(cfg.pipelined, cfg.apply_after))
+                    if self.auto else None)
         self.delta_segments, self.delta_exact = self.segments, self.exact_segments
         if self.auto:
             self.delta_segments = self.segments + [(MEASURE, 2)]

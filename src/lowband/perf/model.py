@@ -807,9 +807,10 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
     """``sync_every="auto"`` as the algorithm's rule decides it in a run
     (:class:`lowband.algorithms.cp_diloco.SyncFitController`), from the model's own times: C, one
     local step alone, and M, one round's message alone (an unpipelined one-step round less that
-    step and the outer step); H = ceil(M / (0.8 C)) within [min_sync_every, max_sync_every], and
-    ``apply_after`` raised to ceil(M / (0.8 C))."""
-    from ..algorithms.cp_diloco import SyncFitController
+    step and the outer step); H = ceil(M / (0.8 share C)) within [min_sync_every,
+    max_sync_every] (share: :func:`lowband.algorithms.cp_diloco.fit_share`), and ``apply_after``
+    raised to ceil(M / (0.8 C))."""
+    from ..algorithms.cp_diloco import SyncFitController, fit_share
     o = _coerced("cp-diloco", o)
     if o.get("sync_every", 16) != "auto":
         return o
@@ -824,10 +825,11 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
     step = one_step({"sync_every": 1 << 30})
     message = max(0.0, one_step({"sync_every": 1, "pipelined": False}) - step
                   - 2 * prof.optimizer_s * cluster.compute_scale)
-    fit = math.ceil(message / (SyncFitController(lo, hi).target * step))
-    out = {**o, "sync_every": max(lo, min(hi, fit))}
+    rule = SyncFitController(lo, hi, share=fit_share(bool(o.get("pipelined", True)), o.get("apply_after")))
+    need = rule.steps_needed(message, step) or 1
+    out = {**o, "sync_every": rule.decide(lo, message, step)}
     if o.get("apply_after") is not None:         # raised to the steps the message needs, as in a run
-        out["apply_after"] = max(int(o["apply_after"]), fit)
+        out["apply_after"] = max(int(o["apply_after"]), need)
     return out
 
 
