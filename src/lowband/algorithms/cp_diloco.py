@@ -159,10 +159,9 @@ class SyncFitController:
         return max(1, math.ceil(message_s / (self.target * step_s)))
 
     def decide(self, H: int, message_s: float, step_s: float) -> int:
-        need = self.steps_needed(message_s, step_s)
-        if need is None:
+        steps = self.steps_needed(message_s, self.share * step_s)    # within the round's share
+        if steps is None:
             return H
-        steps = max(1, math.ceil(message_s / (self.target * self.share * step_s)))
         fit = max(self.min_sync_every, min(self.max_sync_every, steps))
         if fit > H or message_s < self.low * self.share * H * step_s:
             return fit
@@ -355,6 +354,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.segments = bucket_segments(ctx.names, ctx.params, everything)
         self.exact_segments = exact_vector_segments(ctx.params, everything, cfg.compress_vectors)
         self.numel = sum(p.numel() for p in ctx.params)
+        #: written weights read back equal what was written (no rounding to a lower precision)
+        self.all_fp32 = all(p.dtype == torch.float32 for p in ctx.params)
         self.device = ctx.params[0].device if ctx.params else torch.device("cpu")
         self.warmup = Warmup(cfg.warmup_steps)
         self.t = 0                                        # steps completed (agreed on every rank)
@@ -633,9 +634,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
         w = self.cfg.local_weight
         local = self.anchor - p if w == 1 else self.anchor - w * p
         self._write_params(local)
-        # the written weights plus p (they equal ``local`` unless a parameter is not fp32)
-        fp32 = all(q.dtype == torch.float32 for q in self.ctx.params)
-        self.base = (local if fp32 else self._flat_params()).add_(p)
+        self.base = (local if self.all_fp32 else self._flat_params()).add_(p)     # the written weights + p
 
     @torch.no_grad()
     def _end_round(self, r: int) -> None:
@@ -660,7 +659,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
         if previous is not None:
             local = self.anchor - d if self.cfg.local_weight == 1 else self.anchor - self.cfg.local_weight * d
             self._write_params(local)
-            self.base = local if all(p.dtype == torch.float32 for p in self.ctx.params) else self._flat_params()
+            self.base = local if self.all_fp32 else self._flat_params()
         else:
             self.base = theta
 
