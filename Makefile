@@ -2,7 +2,7 @@
 #   make demo   - venv + lowband + dataset, then the main job (a short multi-worker comparison)
 #   make test   - venv + lowband + dataset, then the test suite
 # and one keeps the results page current:
-#   make results - regenerate docs/results.md's generated sections from their stored results files
+#   make results - regenerate the generated sections of docs/results.md and docs/cells.md from their stored results files
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -51,11 +51,11 @@ test: venv data
 	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# Every generated section of RESULTS_DOC (between <!-- lowband:begin NAME ...--> and
+# Every generated section of the RESULTS_DOC files (between <!-- lowband:begin NAME ...--> and
 # <!-- lowband:end NAME -->) re-rendered from the results files its marker names (runs/*/results.json),
 # in place; nothing is rerun. A section whose results file is missing stays as it is, and a
 # line names the command that writes the file.
-RESULTS_DOC ?= docs/results.md
+RESULTS_DOC ?= docs/results.md docs/cells.md
 results: venv
 	$(BIN)/python -m lowband.app.report $(RESULTS_DOC)
 

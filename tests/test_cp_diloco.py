@@ -38,12 +38,13 @@ def _write(model, flat: torch.Tensor) -> None:
 def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
              clip: Optional[float] = None) -> tuple[list[dict], list[dict]]:
     """cp-diloco written out for ``world`` workers in one process, parameter by parameter:
-    each worker's model and inner optimizer, the anchor as a parameter of torch's own SGD
-    (Nesterov) outer optimizer, per-worker error feedback through the codec's public
-    compress/decompress, and the average as the mean of the decoded payloads. ``clip``: each
-    step's gradient clipped to that total norm by torch (the average in a warm-up step, each
-    worker's own in an inner step). Returns each worker's parameters and residuals (by
-    parameter name)."""
+    each worker's model and inner optimizer, the anchor of each message (the round's own and,
+    with ``lazy_layers``, the lazy group's: the parameters of the named modules) as a
+    parameter of torch's own SGD (Nesterov) outer optimizer, per-worker error feedback through
+    the codec's public compress/decompress, and the average as the mean of the decoded
+    payloads. ``clip``: each step's gradient clipped to that total norm by torch (the average
+    in a warm-up step, each worker's own in an inner step). Returns each worker's parameters
+    and residuals (by parameter name)."""
     cfg = make_algorithm("cp-diloco", **opts)
     H, warmup, k = cfg.sync_every, cfg.warmup_steps, cfg.correction_every
     torch.manual_seed(0)
@@ -54,21 +55,34 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     names = [n for n, _ in init.named_parameters()]
     shapes = [p.shape for p in init.parameters()]
     sizes = [p.numel() for p in init.parameters()]
+    modules = [] if cfg.lazy_layers is None else [m.strip() for m in cfg.lazy_layers.split(",")]
+    is_lazy = [any(n.startswith(m + ".") for m in modules) for n in names]
+    groups = ["own"] + (["lazy"] if any(is_lazy) else [])
+    member = {g: [i for i in range(len(names)) if is_lazy[i] == (g == "lazy")] for g in groups}
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    index = {g: torch.cat([torch.arange(starts[i], starts[i] + sizes[i]) for i in member[g]]) for g in groups}
     codecs = [ErrorFeedback(build_compressor(cfg.compressor, cfg.compressor_options)) for _ in range(world)]
-    anchor = outer = None
+    anchor: dict = {}
+    outer: dict = {}
     base: list[Optional[torch.Tensor]] = [None] * world
-    pending = None
+    pending: dict = {}                            # group -> the average in flight
+    sends = {g: 0 for g in groups}
+    tau = 1 if cfg.lazy_every == "auto" else cfg.lazy_every
+    lazy_next, lazy_rounds, lazy_stats = 0, 0, None
+    u_prev: list[Optional[torch.Tensor]] = [None] * world
 
     def residual(i: int, name: str) -> torch.Tensor:
         return codecs[i].residual(name) if codecs[i].has_residual(name) else None
 
-    def average(d: list[torch.Tensor], r: int) -> torch.Tensor:
+    def average(d: list[torch.Tensor], g: str, r: int) -> torch.Tensor:
+        """The mean over workers of group g's message (d: each worker's group elements)."""
         exact = k is not None and (k == 1 or (cfg.correction == "burst" and (r + 1) % k == 0))
         share = (0, 0)
         if k is not None and not exact and cfg.correction == "spread":
-            share = share_bounds(sum(sizes), k, r % k)
+            share = share_bounds(sum(sizes[j] for j in member[g]), k, r % k)
         out, offset = [], 0
-        for name, shape, n in zip(names, shapes, sizes):
+        for j in member[g]:
+            name, shape, n = names[j], shapes[j], sizes[j]
             # this parameter's elements in the exact share (spread): averaged exactly with the
             # residual flushed into them; in the codes they are 0 with a residual of 0
             m = torch.zeros(n, dtype=torch.bool)
@@ -103,9 +117,26 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
             offset += n
         return torch.cat(out)
 
-    def step_outer(D: torch.Tensor) -> None:
-        anchor.grad = D.clone()
-        outer.step()
+    def apply(flights: dict, p: list[torch.Tensor]) -> None:
+        """Each group's outer step, then every worker rebased onto its anchor where the
+        message carried it, keeping its unsent progress p at local_weight."""
+        nonlocal tau, lazy_next
+        for g, (D, r) in flights.items():
+            anchor[g].grad = D.clone()
+            outer[g].step()
+            if g == "lazy" and cfg.lazy_every == "auto":
+                g2, a2, d2, n = lazy_stats
+                if n == 1 or (d2 + g2 <= a2 and n * g2 <= a2):
+                    tau += 1
+                elif not (d2 + g2 <= a2 or n * g2 <= a2):
+                    tau = max(1, tau - 1)
+                tau = min(tau, cfg.max_lazy_every)
+                lazy_next = r + tau
+            for i, m in enumerate(workers):
+                theta = _flat(m)
+                theta[index[g]] = anchor[g].detach() - cfg.local_weight * p[i][index[g]]
+                _write(m, theta)
+                base[i][index[g]] = theta[index[g]] + p[i][index[g]]
 
     for t in range(steps):
         for m, opt, it in zip(workers, inner, its):
@@ -122,10 +153,11 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
                     torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
                 opt.step()
             continue
-        if anchor is None:
-            anchor = torch.nn.Parameter(_flat(workers[0]).clone())
-            outer = torch.optim.SGD([anchor], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                    nesterov=cfg.nesterov and cfg.outer_momentum > 0)
+        if not anchor:
+            for g in groups:
+                anchor[g] = torch.nn.Parameter(_flat(workers[0])[index[g]].clone())
+                outer[g] = torch.optim.SGD([anchor[g]], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                           nesterov=cfg.nesterov and cfg.outer_momentum > 0)
             base = [_flat(m).clone() for m in workers]
         for m, opt in zip(workers, inner):
             if clip is not None:
@@ -133,33 +165,49 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
             opt.step()
         if (t - warmup + 1) % H:
             a = cfg.apply_after
-            if cfg.pipelined and pending is not None and a is not None and (t - warmup) % H + 1 == a:
+            if cfg.pipelined and pending and a is not None and (t - warmup) % H + 1 == a:
                 # the round in flight applied a steps into the next round: each worker rebased
                 # onto the new anchor with its progress since the round end kept
                 with torch.no_grad():
-                    step_outer(pending)
-                    for i, m in enumerate(workers):
-                        p = base[i] - _flat(m)
-                        _write(m, anchor.detach() - cfg.local_weight * p)
-                        base[i] = _flat(m) + p
-                pending = None
+                    apply(pending, [base[i] - _flat(m) for i, m in enumerate(workers)])
+                pending = {}
             continue
         r = (t - warmup) // H
-        d = [base[i] - _flat(workers[i]) for i in range(world)]
-        D = average(d, r)
         with torch.no_grad():
+            d = [base[i] - _flat(workers[i]) for i in range(world)]
+            if cfg.pipelined and pending:
+                apply(pending, d)
+                pending = {}
+            due = "lazy" in groups and r >= lazy_next
+            sent = {}
+            for g in groups:
+                if g == "lazy" and not due:
+                    continue
+                sent[g] = (average([x[index[g]] for x in d], g, r if g == "own" else sends[g]), r)
+                sends[g] += 1
+            if "lazy" in groups:
+                if due:
+                    stats = []
+                    for i in range(world):
+                        u = d[i][index["lazy"]].double()
+                        gl = u if u_prev[i] is None else u - u_prev[i].double()
+                        stats.append(torch.stack([gl.dot(gl), u.dot(u), (gl - u).dot(gl - u)]).float())
+                    lazy_stats = [float(v) for v in sum(stats) / world] + [lazy_rounds + 1]
+                    lazy_next, lazy_rounds, u_prev = r + tau, 0, [None] * world
+                else:
+                    u_prev = [x[index["lazy"]].clone() for x in d]
+                    lazy_rounds += 1
             if not cfg.pipelined:
-                step_outer(D)
-                for i, m in enumerate(workers):
-                    _write(m, anchor.detach())
-                    base[i] = anchor.detach().clone()
+                apply(sent, [torch.zeros_like(x) for x in d])
+                for i in range(world):
+                    for g in sent:
+                        base[i][index[g]] = anchor[g].detach().clone()
                 continue
-            if pending is not None:
-                step_outer(pending)
-                for i, m in enumerate(workers):
-                    _write(m, anchor.detach() - cfg.local_weight * d[i])
-            base = [_flat(m).clone() for m in workers]
-            pending = D
+            for i, m in enumerate(workers):
+                theta = _flat(m)
+                for g in sent:
+                    base[i][index[g]] = theta[index[g]]
+            pending = sent
     params = [params_of(m) for m in workers]
     residuals = [{n: codecs[i].residual(n).reshape(-1).clone() for n in names if codecs[i].has_residual(n)}
                  for i in range(world)]
@@ -228,14 +276,24 @@ def test_uncompressed_unpipelined_equals_diloco(kind):
     dict(sync_every=4, correction_every=3, apply_after=1, outer_lr=0.7, outer_momentum=0.5),
     # applied after two inner steps, half of the own progress kept
     dict(sync_every=3, correction_every=None, apply_after=2, local_weight=0.5),
+    # the input side (conv, fc1) synced every 2nd round in its own message, applied after one
+    # inner step, Nesterov outer momentum (a group's momentum moves only with its messages),
+    # the spread correction cycling through each message's own shares
+    dict(sync_every=3, correction_every=3, apply_after=1, outer_lr=0.7, outer_momentum=0.5,
+         lazy_layers="conv,fc1", lazy_every=2),
+    # the lazy group's period from the lazy update's rule, applied at the next round end
+    dict(sync_every=3, correction_every=None, apply_after=None, lazy_layers="conv,fc1", lazy_every="auto"),
+    # unpipelined: the rest averaged every round, conv every 3rd round
+    dict(sync_every=3, correction_every=None, pipelined=False, outer_momentum=0.9, lazy_layers="conv",
+         lazy_every=3),
 ], ids=["pipelined-burst", "pipelined-spread", "pipelined-mixed", "unpipelined-nocorrection", "apply-after-1",
-        "apply-after-2-mixed"])
+        "apply-after-2-mixed", "lazy-2", "lazy-auto", "lazy-unpipelined"])
 def test_compressed_equals_simulation(opts):
     """Each mechanism added to the DiLoCo reference: per-parameter 2-bit codes with error
     feedback (the codec's public compress/decompress), the one-round-late outer step with the
-    local rebase, the burst and spread corrections flushing the residuals. Parameters and
-    residuals."""
-    steps = 15
+    local rebase, the burst and spread corrections flushing the residuals, the lazy group's
+    own message every tau rounds. Parameters and residuals."""
+    steps = 24 if "lazy_layers" in opts else 15
     got = run_distributed(_run_plain, WORLD, opts, steps, "sgd")
     want, want_e = simulate(steps, opts)
     for rank in range(WORLD):
@@ -324,6 +382,42 @@ def test_spread_invariants():
     assert messages == ["spread"] * 6
     sizes = [out0[t + 2]["bytes"] - out0[t]["bytes"] for t in (1, 3, 5, 7, 9)]   # one message each
     assert max(sizes) - min(sizes) <= 8, sizes
+    assert results[0][5]["collective"] == "allgather"          # "auto" at 2 ranks
+
+
+def test_four_ranks_two_stage_by_default():
+    """At 4 ranks ``collective="auto"`` is two-stage, with the lazy group beside the rest:
+    identical anchors on every rank at every step, identical replicas after synchronize()."""
+    opts = dict(sync_every=2, correction_every=3, lazy_layers="conv", lazy_every=2)
+    results = run_distributed(_invariants, 4, opts, 10)
+    outs = [r[0] for r in results]
+    for steps in zip(*outs):
+        assert all(torch.equal(steps[0]["anchor"], a["anchor"]) for a in steps[1:]), steps[0]["t"]
+    assert results[0][5]["collective"] == "two-stage" and results[0][5]["lazy_syncs"] == 3
+    finals = [r[1] for r in results]
+    assert all(torch.equal(finals[0][n], f[n]) for f in finals[1:] for n in f)
+
+
+def test_lazy_invariants():
+    """The input side (conv, fc1) every 2nd round: identical anchors on every rank, a round
+    end that sends the lazy group sends its message beside the round's own (the rest's
+    message alone is the same size every round), the replicas identical after
+    synchronize()."""
+    opts = dict(sync_every=2, correction_every=3, lazy_layers="conv,fc1", lazy_every=2)
+    results = run_distributed(_invariants, WORLD, opts, 16)
+    (out0, final0, *_, summary), (out1, final1, *_) = results
+    for a, b in zip(out0, out1):
+        assert torch.equal(a["anchor"], b["anchor"]), a["t"]
+    ends = [a["t"] for a in out0 if a["metrics"]["round_end"]]
+    lazy = [a["t"] for a in out0 if a["metrics"].get("lazy")]
+    assert ends == [1, 3, 5, 7, 9, 11, 13, 15] and lazy == [1, 5, 9, 13]
+    sizes = {t: out0[t]["bytes"] - out0[t - 2]["bytes"] for t in ends[1:]}
+    own = [sizes[t] for t in ends[1:] if t not in lazy]
+    both = [sizes[t] for t in ends[1:] if t in lazy]
+    assert max(own) - min(own) <= 8 and min(both) > 5 * max(own), sizes
+    assert summary["lazy_syncs"] == 4 and summary["lazy_params"] == ["conv.weight", "conv.bias", "fc1.weight",
+                                                                     "fc1.bias"]
+    assert all(torch.equal(final0[n], final1[n]) for n in final0)
 
 
 def _loss_run(rank: int, world: int, opts: dict, steps: int):
@@ -412,6 +506,19 @@ def test_resume_is_bit_exact(cut):
             assert all(torch.equal(a[n], b[n]) for n in a), rank
 
 
+@pytest.mark.parametrize("cut", [4, 13], ids=["lazy-in-flight", "lazy-accumulating"])
+def test_resume_is_bit_exact_with_lazy_layers(cut):
+    """With the lazy group's period from the rule (applied at the next round end): a checkpoint
+    with the group's message in flight (sent at step 2, applied at step 5), or between its
+    syncs with its progress accumulating, resumes bit for bit."""
+    opts = dict(sync_every=3, correction_every=3, apply_after=None, lazy_layers="conv,fc1")
+    plain = run_distributed(_checkpointed, WORLD, opts, 24, None)
+    resumed = run_distributed(_checkpointed, WORLD, opts, 24, cut)
+    for rank in range(WORLD):
+        for a, b in zip(plain[rank], resumed[rank]):
+            assert all(torch.equal(a[n], b[n]) for n in a), rank
+
+
 def _nan_run(rank: int, world: int, bad_step: int, steps: int = 6, pipelined: bool = True):
     """H=2 (rounds end at steps 2, 4, 6, 1-based) with rank 1's gradient NaN at ``bad_step``."""
     torch.manual_seed(0)
@@ -461,9 +568,49 @@ def test_options_and_registry():
                        ({"min_sync_every": 0}, "min_sync_every"), ({"outer_momentum": 1.0}, "outer_momentum"),
                        ({"correction": "rolling"}, "correction"), ({"local_weight": 1.5}, "local_weight"),
                        ({"blocking_correction": True}, "blocking_correction"),
-                       ({"compressor": "3bit"}, "compressor")]:
+                       ({"compressor": "3bit"}, "compressor"),
+                       ({"lazy_layers": "tok", "lazy_every": 0}, "lazy_every must be an integer >= 1 or 'auto'"),
+                       ({"lazy_layers": "tok", "max_lazy_every": 0}, "max_lazy_every"),
+                       ({"lazy_layers": " , "}, "lazy_layers must be"),
+                       ({"lazy_layers": "tok", "correction": "burst"}, "not with the burst correction")]:
         with pytest.raises(ValueError, match=words):
             make_algorithm("cp-diloco", **bad)
+    assert make_algorithm("cp-diloco", lazy_layers="none").lazy_layers is None
+    assert make_algorithm("cp-diloco", lazy_layers="ngrams", lazy_every="4").lazy_every == 4
+
+
+def test_lazy_parameters_select_untied_tables_and_named_modules():
+    """``lazy_layers="embeddings"``: gpt-ngram's n-gram tables and position table, not gpt's
+    token table (tied to the output head); named modules take their children; a selection of
+    nothing, of everything or of a module that does not exist is refused at bind."""
+    from lowband.algorithms.cp_diloco import lazy_parameters
+    from lowband.app.models import make_model
+
+    def chosen(model, spec):
+        names = [n for n, _ in model.named_parameters()]
+        return [names[i] for i in lazy_parameters(model, list(model.parameters()), spec)]
+
+    assert chosen(make_model("gpt-ngram"), "embeddings") == ["pos.weight", "ngrams.0.weight", "ngrams.1.weight"]
+    assert chosen(make_model("gpt"), "embeddings") == ["pos.weight"]
+    assert chosen(make_model("gpt-ngram"), "ngrams") == ["ngrams.0.weight", "ngrams.1.weight"]
+    assert chosen(make_model("gpt"), "tok") == []                 # tied to the head
+    assert chosen(SmallNet(), "conv, fc1") == ["conv.weight", "conv.bias", "fc1.weight", "fc1.bias"]
+    with pytest.raises(ValueError, match="no module of the model"):
+        chosen(SmallNet(), "fc9")
+    errors = run_distributed(_bind_errors, 1, ["embeddings", "conv,fc1,fc2"])[0]
+    assert "selects no parameter" in errors[0] and "selects every parameter" in errors[1], errors
+
+
+def _bind_errors(rank: int, world: int, specs: list[str]) -> list[str]:
+    out = []
+    for spec in specs:
+        model = SmallNet()
+        try:
+            lowband.distribute(model, make_optimizer("sgd", model), "cp-diloco", lazy_layers=spec)
+            out.append("")
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 # -- sync_every="auto" ----------------------------------------------------------------------

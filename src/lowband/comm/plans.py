@@ -67,9 +67,9 @@ def _cached(cache: dict, key, build):
     return found
 
 
-def resolve_collective(kind: str, world_size: int) -> str:
-    """``auto`` -> ``allgather`` for world sizes up to ``AUTO_ALLGATHER_MAX_WORLD``, else
-    ``two-stage``; a named collective is returned as is.
+def resolve_collective(kind: str, world_size: int, allgather_max_world: int = AUTO_ALLGATHER_MAX_WORLD) -> str:
+    """``auto`` -> ``allgather`` for world sizes up to ``allgather_max_world`` (default
+    ``AUTO_ALLGATHER_MAX_WORLD``), else ``two-stage``; a named collective is returned as is.
 
     Why: allgather's result is the exact sum of the decoded payloads (one quantization, what
     MXNet's parameter server computes), two-stage re-quantizes the owners' averages (two).
@@ -78,7 +78,7 @@ def resolve_collective(kind: str, world_size: int) -> str:
     allgather is the more accurate and takes less CPU per step (one codec pass and one
     collective fewer; docs/cpsgd.md)."""
     if kind == "auto":
-        return "allgather" if world_size <= AUTO_ALLGATHER_MAX_WORLD else "two-stage"
+        return "allgather" if world_size <= allgather_max_world else "two-stage"
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}; choose one of: {', '.join(COLLECTIVE_CHOICES)}")
     return kind

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..algorithms.buckets import plan_buckets
+from ..algorithms.cp_diloco import OUTER_ALLGATHER_MAX_WORLD, SyncFitController, fit_share
 from ..comm.plans import resolve_collective
 from ..comm.wire import MIB
 from .network import Network
@@ -759,7 +760,9 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     steps are not modelled."""
     o = _coerced("cp-diloco", o)
     H = _cp_diloco_h(o)
-    collective, codec_name = _collective(o, st.N), o.get("compressor", "2bit")
+    kind = o.get("collective", "auto")
+    collective = kind if kind == "ps" else resolve_collective(kind, st.N, OUTER_ALLGATHER_MAX_WORLD)
+    codec_name = o.get("compressor", "2bit")
     k, mode = o.get("correction_every", 32), o.get("correction", "spread")
     everything = list(range(len(st.p.params)))
     nb = st.nbytes(everything)
@@ -810,7 +813,6 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
     step and the outer step); H = ceil(M / (0.8 share C)) within [min_sync_every,
     max_sync_every] (share: :func:`lowband.algorithms.cp_diloco.fit_share`), and ``apply_after``
     raised to ceil(M / (0.8 C))."""
-    from ..algorithms.cp_diloco import SyncFitController, fit_share
     o = _coerced("cp-diloco", o)
     if o.get("sync_every", 16) != "auto":
         return o
