@@ -118,6 +118,7 @@ from ..comm.reducer import make_reducer
 from ..runtime.device import to_device
 from .base import Algorithm, BoundAlgorithm, EngineContext, Finiteness
 from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments
+from .lazy import EMBEDDING_LAYERS, interval_rule
 from .warmup import Warmup, share_bounds
 
 CORRECTIONS = ("spread", "burst")
@@ -138,8 +139,6 @@ MESSAGE_WINDOW, STEP_WINDOW = 3, 16
 OUTER_ALLGATHER_MAX_WORLD = 2
 #: ``lazy_layers``: the lazy group's bucket, and its three fp32 statistics for the rule
 LAZY, LAZY_STATS = "cp-diloco-lazy", "cp-diloco-lazy-stats"
-#: ``lazy_layers="embeddings"``: the modules whose weights are lookup tables
-EMBEDDING_LAYERS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
 def fit_share(pipelined: bool, apply_after: Optional[int]) -> float:
@@ -657,18 +656,13 @@ class BoundCPDiLoCo(BoundAlgorithm):
 
     def _decide_tau(self, lazy: _Flight) -> None:
         """``lazy_every="auto"``: the lazy update's rule on the ranks' mean statistics of the
-        group's message (:func:`lowband.algorithms.lazy.interval_update`'s tests), which sets
+        group's message (:func:`lowband.algorithms.lazy.interval_rule`), which sets
         the round of its next sync."""
         if self.cfg.lazy_every != "auto":
             return
         g2, a2, d2 = lazy.measured
-        n = lazy.rounds
-        if n == 1:                                      # a = g: both tests hold with equality
-            angle_ok = magnitude_ok = True
-        else:
-            angle_ok, magnitude_ok = d2 + g2 <= a2, n * g2 <= a2
-        tau = self.tau + 1 if angle_ok and magnitude_ok else (
-            max(1, self.tau - 1) if not (angle_ok or magnitude_ok) else self.tau)
+        # n = 1: a is g, both tests hold with equality (decided without the rounded values)
+        tau = self.tau + 1 if lazy.rounds == 1 else interval_rule(g2, a2, d2, lazy.rounds, self.tau)[0]
         tau = min(tau, self.cfg.max_lazy_every)
         if tau != self.tau:
             self.tau = tau

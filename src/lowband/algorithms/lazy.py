@@ -71,10 +71,14 @@ ORDER_FIELD = "lazy: forward order of parameterized modules"
 
 def interval_update(g: torch.Tensor, acc: torch.Tensor, n: int, tau: int) -> tuple[int, bool, bool]:
     """The probe-layer rule of B.2.4: returns (new tau, angle_ok, magnitude_ok)."""
-    g2 = float(torch.dot(g, g))
-    a2 = float(torch.dot(acc, acc))
     d = g - acc
-    angle_ok = float(torch.dot(d, d)) + g2 <= a2
+    return interval_rule(float(torch.dot(g, g)), float(torch.dot(acc, acc)), float(torch.dot(d, d)), n, tau)
+
+
+def interval_rule(g2: float, a2: float, d2: float, n: int, tau: int) -> tuple[int, bool, bool]:
+    """:func:`interval_update` from the squared norms ``|g|^2``, ``|A|^2`` and ``|g - A|^2``
+    (what ``cp-diloco``'s lazy group averages over ranks)."""
+    angle_ok = d2 + g2 <= a2
     magnitude_ok = n * g2 <= a2
     if angle_ok and magnitude_ok:
         return tau + 1, angle_ok, magnitude_ok
