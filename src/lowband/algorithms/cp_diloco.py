@@ -133,7 +133,7 @@ MEASURE, MISSING = "cp-diloco-measure", -1e30
 #: slow message or step (an evaluation, a checkpoint, another process) moves neither
 MESSAGE_WINDOW, STEP_WINDOW = 3, 16
 #: ``collective="auto"``: allgather at 2 ranks (the same bytes as two-stage, one quantization),
-#: two-stage above (O(1) bytes per rank in N: at 4 ranks 18% fewer bytes per step than
+#: two-stage above (O(1) bytes per rank in N: at 4 ranks 17-18% fewer bytes per step than
 #: allgather, the same time to target and a higher final accuracy on cnn over 20 Mbit/s,
 #: docs/cp-diloco.md)
 OUTER_ALLGATHER_MAX_WORLD = 2
@@ -255,7 +255,7 @@ class CPDiLoCo(Algorithm):
             as for ``compressed``: lowband's 2-bit codec in its scale-aware mode (fire at the
             RMS of each 256-element block, decode to the fired mean) on the ``auto``
             collective: allgather at 2 ranks (one quantization), two-stage above (its bytes per
-            rank do not grow with the ranks; at 4 ranks 18% fewer bytes per step than allgather
+            rank do not grow with the ranks; at 4 ranks 17-18% fewer bytes per step than allgather
             for the same time to target on cnn); the decoded average is identical on every
             rank either way. ``none`` sends fp32 through the same path.
         error_feedback: keep a per-rank residual of what compression dropped and add it to the
