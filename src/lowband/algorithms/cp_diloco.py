@@ -874,48 +874,32 @@ class BoundCPDiLoCo(BoundAlgorithm):
                 self._write_params(theta)
                 self.base[index] = self.anchor[index]
             return
-        previous = None
-        if self.in_flight is not None:
-            # waited for before the new message is queued, so that the residual it left can be
-            # read (the new job would change it); it normally arrived long ago
-            previous = self._apply()
-            moved = True
-        else:
-            moved = False
+        moved = self.in_flight is not None
+        # waited for before the new message is queued, so that the residual it left can be read
+        # (the new job would change it); it normally arrived long ago. ``previous``: the
+        # elements it moved (None: all)
+        previous = self._apply() if moved else None
         due = self.lazy_due(r)                        # after the apply: the rule may have moved it
         self._send(d, r, due)
-        sent = None if due or self.lazy_index is None else self.eager_index
         if not due:
             self._lazy_round_passed(d)
-        w = self.cfg.local_weight
-        if moved and previous is None and sent is None:
-            local = self.anchor - d if w == 1 else self.anchor - w * d
-            self._write_params(local)
-            self.base = local if self.all_fp32 else self._flat_params()
-            return
-        if not moved and sent is None:
-            self.base = theta
-            return
-        # per element: rebased where the applied round moved it (its unsent progress kept),
-        # base at the written weights where this round's messages carry it
-        if moved:
+        written = theta
+        if moved:                                     # rebased, the round's own progress at weight w
+            w = self.cfg.local_weight
             if previous is None:
-                theta = self.anchor - d if w == 1 else self.anchor - w * d
+                written = self.anchor - d if w == 1 else self.anchor - w * d
             else:
-                theta[previous] = self.anchor[previous] - d[previous] if w == 1 else \
+                written[previous] = self.anchor[previous] - d[previous] if w == 1 else \
                     self.anchor[previous] - w * d[previous]
-            self._write_params(theta)
-            written = theta if self.all_fp32 else self._flat_params()
-            if previous is None:
-                self.base = written + d
-            else:
-                self.base[previous] = written[previous] + d[previous]
-        else:
-            written = theta
-        if sent is None:
-            self.base = written.clone()
-        else:
-            self.base[sent] = written[sent]
+            self._write_params(written)
+            if not self.all_fp32:
+                written = self._flat_params()
+        if due or self.lazy_index is None:            # every element's progress is in flight
+            self.base = written
+            return
+        if moved and previous is None:                # the lazy group was rebased: its unsent progress kept
+            self.base[self.lazy_index] = written[self.lazy_index] + d[self.lazy_index]
+        self.base[self.eager_index] = written[self.eager_index]
 
     # -- global model --------------------------------------------------------------------
     def _settled(self, anchor: torch.Tensor, momentum: Optional[torch.Tensor], zero: bool
