@@ -18,9 +18,10 @@ from lowband.app import tasks
 from lowband.codecs import ErrorFeedback, build_compressor
 
 from .distributed import run_distributed
-from .training import SmallNet, batches, make_optimizer, params_of, poisoned_steps
+from .training import EmbedNet, SmallNet, batches, make_optimizer, params_of, poisoned_steps
 
 WORLD = 2
+MODELS = {"small": SmallNet, "embed": EmbedNet}
 
 
 def _flat(model) -> torch.Tensor:
@@ -36,19 +37,21 @@ def _write(model, flat: torch.Tensor) -> None:
 
 
 def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
-             clip: Optional[float] = None) -> tuple[list[dict], list[dict]]:
+             clip: Optional[float] = None, model: str = "small") -> tuple[list[dict], list[dict]]:
     """cp-diloco written out for ``world`` workers in one process, parameter by parameter:
     each worker's model and inner optimizer, the anchor of each message (the round's own and,
     with ``lazy_layers``, the lazy group's: the parameters of the named modules) as a
     parameter of torch's own SGD (Nesterov) outer optimizer, per-worker error feedback through
     the codec's public compress/decompress, and the average as the mean of the decoded
     payloads. ``clip``: each step's gradient clipped to that total norm by torch (the average
-    in a warm-up step, each worker's own in an inner step). Returns each worker's parameters
-    and residuals (by parameter name)."""
+    in a warm-up step, each worker's own in an inner step). ``model="embed"``: with
+    ``sparse_rows`` each row of its embedding table is averaged over the workers whose
+    gradient of the row was non-zero in an inner step since the table's message was last
+    sent. Returns each worker's parameters and residuals (by parameter name)."""
     cfg = make_algorithm("cp-diloco", **opts)
     H, warmup, k = cfg.sync_every, cfg.warmup_steps, cfg.correction_every
     torch.manual_seed(0)
-    init = SmallNet()
+    init = MODELS[model]()
     workers = [copy.deepcopy(init) for _ in range(world)]
     inner = [make_optimizer(kind, m) for m in workers]
     its = [batches(r, world).epoch(0) for r in range(world)]
@@ -70,6 +73,22 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     tau = 1 if cfg.lazy_every == "auto" else cfg.lazy_every
     lazy_next, lazy_rounds, lazy_stats = 0, 0, None
     u_prev: list[Optional[torch.Tensor]] = [None] * world
+    table = names.index("table.weight") if cfg.sparse_rows and "table.weight" in names else None
+    trained = [torch.zeros(shapes[table][0], dtype=torch.bool) for _ in range(world)] if table is not None else None
+
+    def rows_averaged(D: torch.Tensor, g: str) -> torch.Tensor:
+        """Group g's average with the table's rows over the workers that trained them."""
+        if table is None or table not in member[g]:
+            return D
+        count = sum(f.long() for f in trained)
+        for f in trained:
+            f.zero_()
+        start = sum(sizes[j] for j in member[g] if j < table)
+        rows = D[start:start + sizes[table]].view(shapes[table])
+        for row in range(rows.shape[0]):
+            if count[row] > 0:
+                rows[row] *= world / float(count[row])
+        return D
 
     def residual(i: int, name: str) -> torch.Tensor:
         return codecs[i].residual(name) if codecs[i].has_residual(name) else None
@@ -159,9 +178,12 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
                 outer[g] = torch.optim.SGD([anchor[g]], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                            nesterov=cfg.nesterov and cfg.outer_momentum > 0)
             base = [_flat(m).clone() for m in workers]
-        for m, opt in zip(workers, inner):
+        for i, (m, opt) in enumerate(zip(workers, inner)):
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            if table is not None:
+                grad = list(m.parameters())[table].grad
+                trained[i] |= grad.ne(0).any(dim=1)
             opt.step()
         if (t - warmup + 1) % H:
             a = cfg.apply_after
@@ -183,7 +205,7 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
             for g in groups:
                 if g == "lazy" and not due:
                     continue
-                sent[g] = (average([x[index[g]] for x in d], g, r if g == "own" else sends[g]), r)
+                sent[g] = (rows_averaged(average([x[index[g]] for x in d], g, r if g == "own" else sends[g]), g), r)
                 sends[g] += 1
             if "lazy" in groups:
                 if due:
@@ -215,9 +237,9 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
 
 
 def _train(rank: int, world: int, opts: dict, steps: int, kind: str = "sgd", after=None,
-           clip: Optional[float] = None):
+           clip: Optional[float] = None, model: str = "small"):
     torch.manual_seed(0)
-    model = SmallNet()
+    model = MODELS[model]()
     opt = make_optimizer(kind, model)
     engine = lowband.distribute(model, opt, "cp-diloco", **opts)
     it = batches(rank, world).epoch(0)
@@ -234,8 +256,9 @@ def _train(rank: int, world: int, opts: dict, steps: int, kind: str = "sgd", aft
     return model, opt, engine, out
 
 
-def _run_plain(rank: int, world: int, opts: dict, steps: int, kind: str, clip: Optional[float] = None):
-    model, _, engine, _ = _train(rank, world, opts, steps, kind, clip=clip)
+def _run_plain(rank: int, world: int, opts: dict, steps: int, kind: str, clip: Optional[float] = None,
+               model: str = "small"):
+    model, _, engine, _ = _train(rank, world, opts, steps, kind, clip=clip, model=model)
     params = params_of(model)
     residuals = engine.bound.reducer.state_dict()["worker"]
     engine.close()
@@ -301,6 +324,29 @@ def test_compressed_equals_simulation(opts):
         assert _max_err(params, want[rank]) < 1e-5, rank
         assert set(residuals) == set(want_e[rank])
         assert _max_err(residuals, want_e[rank]) < 1e-5, rank
+
+
+@pytest.mark.parametrize("opts,world", [
+    # pipelined, applied one step into the next round, the spread correction, Adam inside
+    (dict(sync_every=3, correction_every=3, apply_after=1), WORLD),
+    # the table lazy, in its own message every 2nd round, applied at the next round end
+    (dict(sync_every=3, correction_every=None, apply_after=None, lazy_layers="table", lazy_every=2), WORLD),
+    # 4 ranks (counts 0..4 in 3-bit fields), allgather as the reference averages
+    (dict(sync_every=3, correction_every=3, apply_after=1, collective="allgather"), 4),
+], ids=["rows", "rows-lazy", "rows-4-ranks"])
+def test_sparse_rows_equal_simulation(opts, world):
+    """``sparse_rows`` (the default) on a model with an embedding table whose rows a step's
+    batch reaches only in part: each row of the table's average is the mean over the ranks
+    whose gradient of it was non-zero since its message was last sent; the rest as before."""
+    steps = 18
+    got = run_distributed(_run_plain, world, opts, steps, "adam", None, "embed")
+    want, want_e = simulate(steps, opts, "adam", world=world, model="embed")
+    for rank in range(world):
+        params, residuals = got[rank]
+        assert _max_err(params, want[rank]) < 1e-5, rank
+        assert _max_err(residuals, want_e[rank]) < 1e-5, rank
+    plain, _ = simulate(steps, {**opts, "sparse_rows": False}, "adam", world=world, model="embed")
+    assert _max_err(want[0], plain[0]) > 1e-3          # the rows' averaging changes the result
 
 
 CLIP = 0.5
@@ -466,11 +512,13 @@ def _rebuilt(model, opt, engine, build):
     return model, opt, engine
 
 
-def _checkpointed(rank: int, world: int, opts: dict, steps: int, cut: Optional[int]):
+def _checkpointed(rank: int, world: int, opts: dict, steps: int, cut: Optional[int], model: str = "small"):
     """Train ``steps`` steps; with ``cut``, save everything after step ``cut``, build a new
     model/optimizer/engine from a different seed, load, and go on with the same batches."""
+    net = MODELS[model]
+
     def build():
-        model = SmallNet()
+        model = net()
         opt = make_optimizer("sgd", model)
         return model, opt, lowband.distribute(model, opt, "cp-diloco", **opts)
 
@@ -514,6 +562,20 @@ def test_resume_is_bit_exact_with_lazy_layers(cut):
     opts = dict(sync_every=3, correction_every=3, apply_after=None, lazy_layers="conv,fc1")
     plain = run_distributed(_checkpointed, WORLD, opts, 24, None)
     resumed = run_distributed(_checkpointed, WORLD, opts, 24, cut)
+    for rank in range(WORLD):
+        for a, b in zip(plain[rank], resumed[rank]):
+            assert all(torch.equal(a[n], b[n]) for n in a), rank
+
+
+@pytest.mark.parametrize("cut", [7, 10], ids=["rows-flagged-mid-round", "lazy-table-in-flight"])
+def test_resume_is_bit_exact_with_sparse_rows(cut):
+    """With an embedding table averaged over the ranks that trained its rows: a checkpoint
+    mid-round (its rows' flags set by two inner steps, the previous round in flight), or with
+    the table in its own lazy message, resumes bit for bit."""
+    opts = dict(sync_every=3, correction_every=3, apply_after=None, lazy_layers="table" if cut == 10 else None,
+                lazy_every=2)
+    plain = run_distributed(_checkpointed, WORLD, opts, 18, None, "embed")
+    resumed = run_distributed(_checkpointed, WORLD, opts, 18, cut, "embed")
     for rank in range(WORLD):
         for a, b in zip(plain[rank], resumed[rank]):
             assert all(torch.equal(a[n], b[n]) for n in a), rank

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from lowband.runtime.launcher import EXIT_PEER_LOST, LaunchResult, _cause
+from lowband.runtime.launcher import EXIT_PEER_LOST, LaunchResult, _cause, _watch
 
 KILLED, TERMINATED = -signal.SIGKILL, -signal.SIGTERM
 
@@ -32,3 +35,38 @@ def test_description_of_a_stalled_worker():
     assert r.describe() == ("worker rank 1 stopped responding: it was still running 8 s after the first failure "
                             "and was terminated (first to fail); rank 0 lost contact with the other workers "
                             "(exit status 3)")
+
+
+def test_description_of_survivors_terminated_after_a_death():
+    r = LaunchResult(returncode=1, failed_rank=1, returncodes=[TERMINATED, KILLED], terminated=[0], grace_s=5.0,
+                     after_death=True)
+    assert r.describe() == ("worker rank 1 was killed by signal SIGKILL (first to fail); rank 0 was still waiting "
+                            "for the other workers 5 s after rank 1 failed and was terminated")
+
+
+def _procs(*codes_after: tuple) -> list:
+    """One process per (exit code or -signal, seconds before it ends; None: sleeps a minute)."""
+    out = []
+    for code, after in codes_after:
+        if code is None:
+            body = "import time; time.sleep(60)"
+        elif code < 0:
+            body = f"import os, time; time.sleep({after}); os.kill(os.getpid(), {-code})"
+        else:
+            body = f"import sys, time; time.sleep({after}); sys.exit({code})"
+        out.append(subprocess.Popen([sys.executable, "-c", body]))
+    return out
+
+
+def test_a_death_cuts_the_grace_period_a_lost_contact_does_not():
+    """A worker killed by a signal: the survivor still waiting on it is terminated after the
+    short grace, not after --timeout's; a worker that only lost contact (a silent peer) leaves
+    the other the whole grace period."""
+    t0 = time.monotonic()
+    r = _watch(_procs((None, 0), (KILLED, 0.2)), grace_s=60.0, dead_grace_s=0.5)
+    assert time.monotonic() - t0 < 10
+    assert (r.failed_rank, r.terminated, r.after_death, r.grace_s) == (1, [0], True, 0.5)
+    t0 = time.monotonic()
+    r = _watch(_procs((EXIT_PEER_LOST, 0.2), (None, 0)), grace_s=2.0, dead_grace_s=0.5)
+    assert time.monotonic() - t0 >= 2.0
+    assert (r.failed_rank, r.terminated, r.after_death) == (1, [1], False)

@@ -43,6 +43,23 @@ class SmallNet(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+class EmbedNet(SmallNet):
+    """SmallNet plus an embedding table added to its logits, whose row for a sample is the
+    sign pattern of six of its pixels (64 rows): a step's batch reaches some rows only, as
+    gpt-ngram's hashed n-gram tables (cp-diloco's ``sparse_rows``)."""
+
+    PIXELS = (30, 200, 350, 420, 555, 700)
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(64, 10)
+
+    def forward(self, x):
+        bits = (x.flatten(1)[:, list(self.PIXELS)] > 0).long()
+        index = (bits << torch.arange(len(self.PIXELS))).sum(dim=1)
+        return super().forward(x) + self.table(index)
+
+
 class PartlyUsed(SmallNet):
     """SmallNet with a head that only rank 0 uses, on odd steps: its bucket completes during
     backward on rank 0 and only in ``step()`` on rank 1."""

@@ -48,8 +48,10 @@ def launch(
 ) -> None:
     """Run ``cfg`` to completion with ``cfg.workers`` local processes; raise RunFailed."""
     config_path = prepare_run_dir(cfg)
-    # the workers notice a dead or silent peer within --timeout; the grace period covers it
+    # the workers notice a dead or silent peer within --timeout, and the grace period covers
+    # it; after a worker died, the others are given TEARDOWN_S only (launch_workers)
     result = launch_workers(cfg.workers, config_path, threads=cfg.threads, prefix=prefix, extra_env=extra_env,
-                            master_addr=master_addr or cfg.master_addr, grace_s=cfg.timeout_s + TEARDOWN_S)
+                            master_addr=master_addr or cfg.master_addr, grace_s=cfg.timeout_s + TEARDOWN_S,
+                            dead_grace_s=TEARDOWN_S)
     if result.returncode != 0:
         raise RunFailed(cfg, result)

@@ -7,7 +7,10 @@ each worker inside its own network namespace.
 
 If a worker exits with an error, the others get ``grace_s`` seconds to notice (their
 collectives fail) and are then terminated, and the launch returns the status of the worker
-that caused it (see :func:`_cause`: a worker that lost contact with its peers exits with
+that caused it. A worker that *died* (killed by a signal, or exited with its own error rather
+than :data:`EXIT_PEER_LOST`) cuts that to ``dead_grace_s``: its peers usually notice at once
+(a reset connection), but a receive posted after the connection closed waits for the whole
+collective timeout, and nothing can answer it any more (see :func:`_cause`: a worker that lost contact with its peers exits with
 :data:`EXIT_PEER_LOST`, so a survivor is never blamed for a peer that stopped responding);
 no process is left behind, also on Ctrl-C, and (Linux) also when the launcher itself is
 killed: each worker gets a parent-death signal. With the default loopback master address the
@@ -61,9 +64,14 @@ class LaunchResult:
     #: ranks still running at the end of the grace period, terminated by the launcher
     terminated: list = field(default_factory=list)
     grace_s: float = 0.0
+    #: the grace period was the short one after a worker died (``dead_grace_s``)
+    after_death: bool = False
 
     def _what(self, rank: int) -> str:
         if rank in self.terminated:
+            if self.after_death and rank != self.failed_rank:
+                return (f"was still waiting for the other workers {self.grace_s:g} s after rank {self.failed_rank} "
+                        f"failed and was terminated")
             return f"stopped responding: it was still running {self.grace_s:g} s after the first failure and was terminated"
         code = self.returncodes[rank]
         if code == EXIT_PEER_LOST:
@@ -97,6 +105,7 @@ def launch_workers(
     prefix: Optional[Callable[[int], Sequence[str]]] = None,
     extra_env: Optional[Callable[[int], dict]] = None,
     grace_s: float = 30.0,
+    dead_grace_s: float = 5.0,
     module: str = "lowband.app.worker",
 ) -> LaunchResult:
     """Run ``world_size`` workers to completion; see the module docstring for failure handling."""
@@ -120,7 +129,7 @@ def launch_workers(
                 env.update(extra_env(rank))
             cmd = list(prefix(rank) if prefix else []) + [sys.executable, "-m", module, config_path]
             procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
-        return _watch(procs, grace_s)
+        return _watch(procs, grace_s, dead_grace_s)
     except KeyboardInterrupt:
         _terminate(procs)
         raise
@@ -144,11 +153,18 @@ def _cause(codes: list, terminated: list[int], seen: dict[int, int]) -> Optional
     return min(failed, key=lambda r: (kind(r), seen.get(r, 0), r)) if failed else None
 
 
-def _watch(procs: list[subprocess.Popen], grace_s: float) -> LaunchResult:
+def _died(code: Optional[int]) -> bool:
+    """A worker that ended by itself in failure (a signal, or its own error), not one that
+    merely lost contact with its peers."""
+    return code is not None and code != 0 and code != EXIT_PEER_LOST
+
+
+def _watch(procs: list[subprocess.Popen], grace_s: float, dead_grace_s: Optional[float] = None) -> LaunchResult:
     deadline: Optional[float] = None
     terminated: list[int] = []
     seen: dict[int, int] = {}          # rank -> poll in which it was first seen failing
     polls = 0
+    after_death = False
     while True:
         codes = [p.poll() for p in procs]
         polls += 1
@@ -160,6 +176,10 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> LaunchResult:
         now = time.monotonic()
         if seen and deadline is None:
             deadline = now + grace_s
+        if (dead_grace_s is not None and dead_grace_s < grace_s and not after_death
+                and any(_died(c) for c in codes)):
+            after_death = True
+            deadline = min(deadline, now + dead_grace_s)
         if deadline is not None and now > deadline:
             terminated = [r for r, c in enumerate(codes) if c is None]
             _terminate(procs)
@@ -170,7 +190,8 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> LaunchResult:
     rc = 0 if failed_rank is None else codes[failed_rank]
     # a worker killed by a signal (or terminated here) has a negative code: a plain failure
     return LaunchResult(returncode=rc if rc >= 0 else 1, failed_rank=failed_rank, returncodes=codes,
-                        terminated=terminated, grace_s=grace_s)
+                        terminated=terminated, grace_s=dead_grace_s if after_death else grace_s,
+                        after_death=after_death)
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
