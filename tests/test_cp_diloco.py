@@ -541,17 +541,23 @@ def _checkpointed(rank: int, world: int, opts: dict, steps: int, cut: Optional[i
     return before, evaluated, after
 
 
+def _assert_resume_bit_exact(opts: dict, steps: int, cut: int, model: str = "small") -> None:
+    """The run cut after step ``cut`` and resumed ends where the uninterrupted one does, bit for
+    bit: local weights, the evaluated global model and the synchronized one."""
+    plain = run_distributed(_checkpointed, WORLD, opts, steps, None, model)
+    resumed = run_distributed(_checkpointed, WORLD, opts, steps, cut, model)
+    for rank in range(WORLD):
+        for a, b in zip(plain[rank], resumed[rank]):
+            assert all(torch.equal(a[n], b[n]) for n in a), rank
+
+
 @pytest.mark.parametrize("cut", [9, 12], ids=["mid-round-in-flight", "round-boundary"])
 def test_resume_is_bit_exact(cut):
     """A checkpoint mid-round with the previous round's message in flight (after step 9 of
     H=4: round 1 ended at step 7, its average is not applied yet), or just after a round end,
     resumes bit for bit: local weights, the evaluated global model and the synchronized one."""
     opts = dict(sync_every=4, correction_every=3)
-    plain = run_distributed(_checkpointed, WORLD, opts, 22, None)
-    resumed = run_distributed(_checkpointed, WORLD, opts, 22, cut)
-    for rank in range(WORLD):
-        for a, b in zip(plain[rank], resumed[rank]):
-            assert all(torch.equal(a[n], b[n]) for n in a), rank
+    _assert_resume_bit_exact(opts, 22, cut)
 
 
 @pytest.mark.parametrize("cut", [4, 13], ids=["lazy-in-flight", "lazy-accumulating"])
@@ -560,11 +566,7 @@ def test_resume_is_bit_exact_with_lazy_layers(cut):
     with the group's message in flight (sent at step 2, applied at step 5), or between its
     syncs with its progress accumulating, resumes bit for bit."""
     opts = dict(sync_every=3, correction_every=3, apply_after=None, lazy_layers="conv,fc1")
-    plain = run_distributed(_checkpointed, WORLD, opts, 24, None)
-    resumed = run_distributed(_checkpointed, WORLD, opts, 24, cut)
-    for rank in range(WORLD):
-        for a, b in zip(plain[rank], resumed[rank]):
-            assert all(torch.equal(a[n], b[n]) for n in a), rank
+    _assert_resume_bit_exact(opts, 24, cut)
 
 
 @pytest.mark.parametrize("cut", [7, 10], ids=["rows-flagged-mid-round", "lazy-table-in-flight"])
@@ -574,11 +576,7 @@ def test_resume_is_bit_exact_with_sparse_rows(cut):
     the table in its own lazy message, resumes bit for bit."""
     opts = dict(sync_every=3, correction_every=3, apply_after=None, lazy_layers="table" if cut == 10 else None,
                 lazy_every=2)
-    plain = run_distributed(_checkpointed, WORLD, opts, 18, None, "embed")
-    resumed = run_distributed(_checkpointed, WORLD, opts, 18, cut, "embed")
-    for rank in range(WORLD):
-        for a, b in zip(plain[rank], resumed[rank]):
-            assert all(torch.equal(a[n], b[n]) for n in a), rank
+    _assert_resume_bit_exact(opts, 18, cut, "embed")
 
 
 def _nan_run(rank: int, world: int, bad_step: int, steps: int = 6, pipelined: bool = True):
