@@ -44,9 +44,22 @@ def test_packed_flags_give_the_exact_counts(world, rows, p, seed, premultiplied)
     assert torch.equal(unpack_counts(mean, world, rows), want)
 
 
+@pytest.mark.parametrize("world", [3, 7, 100, 1000, MAX_WORLD])
+def test_every_rank_flagging_every_row_is_counted_exactly(world):
+    """The largest packed sums (every field at N) survive both ways of averaging in fp32."""
+    packed = pack_flags(torch.ones(50, dtype=torch.bool), world)
+    scaled, total = torch.zeros_like(packed), torch.zeros_like(packed)
+    inverse = torch.tensor(1.0 / world, dtype=torch.float32)
+    for _ in range(world):
+        scaled += packed * inverse
+        total += packed
+    for mean in (scaled, total / world):
+        assert torch.equal(unpack_counts(mean, world, 50), torch.full((50,), world, dtype=torch.int64))
+
+
 def test_rows_per_value_shrinks_with_the_world():
     assert [rows_per_value(n) for n in (1, 2, 4, 8, 64, MAX_WORLD)] == [21, 10, 6, 4, 2, 1]
-    with pytest.raises(ValueError, match="up to 2048 ranks"):
+    with pytest.raises(ValueError, match=f"up to {MAX_WORLD} ranks"):
         RowCounter([nn.Embedding(4, 2).weight], [(0, 0)], MAX_WORLD + 1)
 
 

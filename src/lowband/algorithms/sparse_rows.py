@@ -29,8 +29,9 @@ from .lazy import EMBEDDING_LAYERS
 #: a packed value of b-bit fields stays below 2**(PACKED_BITS - b): its mean over N ranks
 #: times N rounds back to the sum exactly
 PACKED_BITS = 22
-#: the most ranks whose flags one field per fp32 value can carry under that bound
-MAX_WORLD = 2048
+#: the most ranks whose flags one field per fp32 value carries under that bound (N < 2**b and
+#: a sum of N flags below 2**(PACKED_BITS - b))
+MAX_WORLD = 1024
 
 
 def row_tables(model: torch.nn.Module, params: list, indices: list[int]) -> list[int]:
