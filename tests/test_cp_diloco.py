@@ -349,6 +349,21 @@ def test_sparse_rows_equal_simulation(opts, world):
     assert _max_err(want[0], plain[0]) > 1e-3          # the rows' averaging changes the result
 
 
+def _summaries(rank: int, world: int, options: list[dict]) -> list[dict]:
+    out = []
+    for opts in options:
+        model = EmbedNet()
+        engine = lowband.distribute(model, make_optimizer("sgd", model), "cp-diloco", **opts)
+        out.append(engine.bound.summary())
+        engine.close()
+    return out
+
+
+def test_summary_names_the_tables_averaged_by_rows():
+    plain, lazy, off = run_distributed(_summaries, WORLD, [{}, {"lazy_layers": "table"}, {"sparse_rows": False}])[0]
+    assert plain["sparse_rows"] == lazy["sparse_rows"] == ["table.weight"] and "sparse_rows" not in off
+
+
 CLIP = 0.5
 
 

@@ -483,13 +483,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
         eager = [i for i in everything if i not in set(lazy)]
         self.lazy_params = [ctx.names[i] for i in lazy]
         # sparse_rows: each message's embedding tables, their offsets in its flat vector
-        self.rows = self.lazy_rows = None
-        self.row_params: list[str] = []
-        if cfg.sparse_rows:
-            self.rows = self._row_counter(eager)
-            self.lazy_rows = self._row_counter(lazy) if lazy else None
-            tables = row_tables(ctx.model, ctx.params, list(everything))
-            self.row_params = [ctx.names[i] for i in tables]
+        self.rows = self._row_counter(eager) if cfg.sparse_rows else None
+        self.lazy_rows = self._row_counter(lazy) if cfg.sparse_rows and lazy else None
         self.exact_segments = exact_vector_segments(ctx.params, eager, cfg.compress_vectors)
         self.n_eager = sum(ctx.params[i].numel() for i in eager)
         self.eager_index = self.lazy_index = None           # flat element indices (None: no lazy group)
@@ -1055,10 +1050,14 @@ class BoundCPDiLoCo(BoundAlgorithm):
                 "sync_every": self.H, "sync_every_auto": self.auto,
                 "sync_every_history": [list(h) for h in self.H_history], "pipelined": self.cfg.pipelined,
                 "collective": self.reducer.name, "residual_norm": self.residual_norm,
-                **({"sparse_rows": list(self.row_params)} if self.row_params else {}),
+                **({"sparse_rows": self._row_table_names()} if self.rows or self.lazy_rows else {}),
                 **({} if self.lazy_index is None else
                    {"lazy_params": list(self.lazy_params), "lazy_syncs": self.lazy_syncs, "lazy_every": self.tau,
                     "lazy_every_history": [list(h) for h in self.tau_history]})}
+
+    def _row_table_names(self) -> list[str]:
+        """The embedding tables ``sparse_rows`` averages by rows (the round's, then the lazy group's)."""
+        return [self.ctx.names[i] for c in (self.rows, self.lazy_rows) if c is not None for i, *_ in c.tables]
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

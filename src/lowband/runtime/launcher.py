@@ -7,12 +7,12 @@ each worker inside its own network namespace.
 
 If a worker exits with an error, the others get ``grace_s`` seconds to notice (their
 collectives fail) and are then terminated, and the launch returns the status of the worker
-that caused it. A worker that *died* (killed by a signal, or exited with its own error rather
-than :data:`EXIT_PEER_LOST`) cuts that to ``dead_grace_s``: its peers usually notice at once
-(a reset connection), but a receive posted after the connection closed waits for the whole
-collective timeout, and nothing can answer it any more (see :func:`_cause`: a worker that lost contact with its peers exits with
-:data:`EXIT_PEER_LOST`, so a survivor is never blamed for a peer that stopped responding);
-no process is left behind, also on Ctrl-C, and (Linux) also when the launcher itself is
+that caused it (see :func:`_cause`: a worker that lost contact with its peers exits with
+:data:`EXIT_PEER_LOST`, so a survivor is never blamed for a peer that stopped responding).
+A worker that *died* (killed by a signal, or exited with its own error) cuts the grace to
+``dead_grace_s``: its peers usually notice at once (a reset connection), but a receive posted
+after the connection closed waits for the whole collective timeout, and nothing can answer it
+any more. No process is left behind, also on Ctrl-C, and (Linux) also when the launcher itself is
 killed: each worker gets a parent-death signal. With the default loopback master address the
 rendezvous store and gloo's sockets listen on loopback only (see :mod:`lowband.runtime.rendezvous`).
 """
