@@ -40,7 +40,8 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
              clip: Optional[float] = None, model: str = "small") -> tuple[list[dict], list[dict]]:
     """cp-diloco written out for ``world`` workers in one process, parameter by parameter:
     each worker's model and inner optimizer, the anchor of each message (the round's own and,
-    with ``lazy_layers``, the lazy group's: the parameters of the named modules) as a
+    with ``lazy_layers``, the lazy group's: the parameters of the named modules; with
+    ``lazy_per_layer`` one group per module, each with its own tau) as a
     parameter of torch's own SGD (Nesterov) outer optimizer, per-worker error feedback through
     the codec's public compress/decompress, and the average as the mean of the decoded
     payloads. ``clip``: each step's gradient clipped to that total norm by torch (the average
@@ -60,8 +61,10 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     sizes = [p.numel() for p in init.parameters()]
     modules = [] if cfg.lazy_layers is None else [m.strip() for m in cfg.lazy_layers.split(",")]
     is_lazy = [any(n.startswith(m + ".") for m in modules) for n in names]
-    groups = ["own"] + (["lazy"] if any(is_lazy) else [])
-    member = {g: [i for i in range(len(names)) if is_lazy[i] == (g == "lazy")] for g in groups}
+    owner = [n.rsplit(".", 1)[0] if cfg.lazy_per_layer else "lazy" for n in names]
+    lazy_groups = list(dict.fromkeys(owner[i] for i in range(len(names)) if is_lazy[i]))
+    groups = ["own"] + lazy_groups
+    member = {g: [i for i in range(len(names)) if (owner[i] == g if is_lazy[i] else g == "own")] for g in groups}
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     index = {g: torch.cat([torch.arange(starts[i], starts[i] + sizes[i]) for i in member[g]]) for g in groups}
     codecs = [ErrorFeedback(build_compressor(cfg.compressor, cfg.compressor_options)) for _ in range(world)]
@@ -70,9 +73,12 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     base: list[Optional[torch.Tensor]] = [None] * world
     pending: dict = {}                            # group -> the average in flight
     sends = {g: 0 for g in groups}
-    tau = 1 if cfg.lazy_every == "auto" else cfg.lazy_every
-    lazy_next, lazy_rounds, lazy_stats = 0, 0, None
-    u_prev: list[Optional[torch.Tensor]] = [None] * world
+    # each lazy group's tau, the round of its next sync, the rounds since its last, the
+    # statistics of its last message, each worker's unsent progress at the last round end
+    tau = {g: 1 if cfg.lazy_every == "auto" else cfg.lazy_every for g in lazy_groups}
+    lazy_next, lazy_rounds = {g: 0 for g in lazy_groups}, {g: 0 for g in lazy_groups}
+    lazy_stats: dict = {}
+    u_prev: dict = {g: [None] * world for g in lazy_groups}
     table = names.index("table.weight") if cfg.sparse_rows and "table.weight" in names else None
     trained = [torch.zeros(shapes[table][0], dtype=torch.bool) for _ in range(world)] if table is not None else None
 
@@ -139,18 +145,17 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     def apply(flights: dict, p: list[torch.Tensor]) -> None:
         """Each group's outer step, then every worker rebased onto its anchor where the
         message carried it, keeping its unsent progress p at local_weight."""
-        nonlocal tau, lazy_next
         for g, (D, r) in flights.items():
             anchor[g].grad = D.clone()
             outer[g].step()
-            if g == "lazy" and cfg.lazy_every == "auto":
-                g2, a2, d2, n = lazy_stats
+            if g != "own" and cfg.lazy_every == "auto":
+                g2, a2, d2, n = lazy_stats[g]
                 if n == 1 or (d2 + g2 <= a2 and n * g2 <= a2):
-                    tau += 1
+                    tau[g] += 1
                 elif not (d2 + g2 <= a2 or n * g2 <= a2):
-                    tau = max(1, tau - 1)
-                tau = min(tau, cfg.max_lazy_every)
-                lazy_next = r + tau
+                    tau[g] = max(1, tau[g] - 1)
+                tau[g] = min(tau[g], cfg.max_lazy_every)
+                lazy_next[g] = r + tau[g]
             for i, m in enumerate(workers):
                 theta = _flat(m)
                 theta[index[g]] = anchor[g].detach() - cfg.local_weight * p[i][index[g]]
@@ -200,25 +205,24 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
             if cfg.pipelined and pending:
                 apply(pending, d)
                 pending = {}
-            due = "lazy" in groups and r >= lazy_next
             sent = {}
             for g in groups:
-                if g == "lazy" and not due:
+                if g != "own" and r < lazy_next[g]:
                     continue
                 sent[g] = (rows_averaged(average([x[index[g]] for x in d], g, r if g == "own" else sends[g]), g), r)
                 sends[g] += 1
-            if "lazy" in groups:
-                if due:
+            for g in lazy_groups:
+                if g in sent:
                     stats = []
                     for i in range(world):
-                        u = d[i][index["lazy"]].double()
-                        gl = u if u_prev[i] is None else u - u_prev[i].double()
+                        u = d[i][index[g]].double()
+                        gl = u if u_prev[g][i] is None else u - u_prev[g][i].double()
                         stats.append(torch.stack([gl.dot(gl), u.dot(u), (gl - u).dot(gl - u)]).float())
-                    lazy_stats = [float(v) for v in sum(stats) / world] + [lazy_rounds + 1]
-                    lazy_next, lazy_rounds, u_prev = r + tau, 0, [None] * world
+                    lazy_stats[g] = [float(v) for v in sum(stats) / world] + [lazy_rounds[g] + 1]
+                    lazy_next[g], lazy_rounds[g], u_prev[g] = r + tau[g], 0, [None] * world
                 else:
-                    u_prev = [x[index["lazy"]].clone() for x in d]
-                    lazy_rounds += 1
+                    u_prev[g] = [x[index[g]].clone() for x in d]
+                    lazy_rounds[g] += 1
             if not cfg.pipelined:
                 apply(sent, [torch.zeros_like(x) for x in d])
                 for i in range(world):
@@ -347,6 +351,48 @@ def test_sparse_rows_equal_simulation(opts, world):
         assert _max_err(residuals, want_e[rank]) < 1e-5, rank
     plain, _ = simulate(steps, {**opts, "sparse_rows": False}, "adam", world=world, model="embed")
     assert _max_err(want[0], plain[0]) > 1e-3          # the rows' averaging changes the result
+
+
+def _run_with_summary(rank: int, world: int, opts: dict, steps: int, kind: str, model: str):
+    model, _, engine, _ = _train(rank, world, opts, steps, kind, model=model)
+    params, summary = params_of(model), engine.bound.summary()
+    residuals = engine.bound.reducer.state_dict()["worker"]
+    engine.close()
+    return params, {n: v.reshape(-1) for n, v in residuals.items()}, summary
+
+
+@pytest.mark.parametrize("opts,kind,model,steps", [
+    # the table and fc2, each layer with its own tau from the rule (a hot SGD makes fc2's
+    # rounds disagree early: its tau falls behind the table's from round 3; it also makes the
+    # run chaotic after ~10 steps, where rounding differences grow past the tolerance), the
+    # spread correction through each group's own shares, the table's rows averaged over the
+    # ranks that trained them
+    (dict(sync_every=1, correction_every=3, apply_after=None, lazy_layers="table,fc2", lazy_every="auto"),
+     "sgd-hot", "embed", 8),
+    # conv and fc1 every 2nd round, each in its own message, pipelined with apply_after=1 and
+    # Nesterov outer momentum: the same rounds as one group, other exact shares and residuals
+    (dict(sync_every=3, correction_every=3, apply_after=1, outer_lr=0.7, outer_momentum=0.5,
+          lazy_layers="conv,fc1", lazy_every=2), "adam", "small", 16),
+], ids=["per-layer-auto", "per-layer-pipelined"])
+def test_lazy_per_layer_equals_simulation(opts, kind, model, steps):
+    """``lazy_per_layer``: every lazy layer is a message of its own, with its own residual,
+    shares and tau; against the reference with one group per layer, and unlike one group."""
+    opts = {**opts, "lazy_per_layer": True}
+    got = run_distributed(_run_with_summary, WORLD, opts, steps, kind, model)
+    want, want_e = simulate(steps, opts, kind, model=model)
+    for rank in range(WORLD):
+        params, residuals, summary = got[rank]
+        assert _max_err(params, want[rank]) < 1e-5, rank
+        assert set(residuals) == set(want_e[rank])
+        assert _max_err(residuals, want_e[rank]) < 1e-5, rank
+    layers = opts["lazy_layers"].split(",")
+    summary = got[0][2]
+    assert sorted(summary["lazy_every"]) == sorted(layers)
+    if opts["lazy_every"] == "auto":                    # the layers' periods really differ
+        history = summary["lazy_every_history"]
+        assert history[layers[0]] != history[layers[1]], history
+    one, _ = simulate(steps, {**opts, "lazy_per_layer": False}, kind, model=model)
+    assert _max_err(want[0], one[0]) > 1e-4
 
 
 def _summaries(rank: int, world: int, options: list[dict]) -> list[dict]:
@@ -575,12 +621,12 @@ def test_resume_is_bit_exact(cut):
     _assert_resume_bit_exact(opts, 22, cut)
 
 
-@pytest.mark.parametrize("cut", [4, 13], ids=["lazy-in-flight", "lazy-accumulating"])
+@pytest.mark.parametrize("cut", [4, 13], ids=["lazy-in-flight", "per-layer-accumulating"])
 def test_resume_is_bit_exact_with_lazy_layers(cut):
     """With the lazy group's period from the rule (applied at the next round end): a checkpoint
-    with the group's message in flight (sent at step 2, applied at step 5), or between its
-    syncs with its progress accumulating, resumes bit for bit."""
-    opts = dict(sync_every=3, correction_every=3, apply_after=None, lazy_layers="conv,fc1")
+    with the group's message in flight (sent at step 2, applied at step 5), or, one group per
+    layer, between their syncs with their progress accumulating, resumes bit for bit."""
+    opts = dict(sync_every=3, correction_every=3, apply_after=None, lazy_layers="conv,fc1", lazy_per_layer=cut == 13)
     _assert_resume_bit_exact(opts, 24, cut)
 
 
@@ -647,7 +693,8 @@ def test_options_and_registry():
                        ({"lazy_layers": "tok", "lazy_every": 0}, "lazy_every must be an integer >= 1 or 'auto'"),
                        ({"lazy_layers": "tok", "max_lazy_every": 0}, "max_lazy_every"),
                        ({"lazy_layers": " , "}, "lazy_layers must be"),
-                       ({"lazy_layers": "tok", "correction": "burst"}, "not with the burst correction")]:
+                       ({"lazy_layers": "tok", "correction": "burst"}, "not with the burst correction"),
+                       ({"lazy_per_layer": 2}, "lazy_per_layer. must be true or false")]:
         with pytest.raises(ValueError, match=words):
             make_algorithm("cp-diloco", **bad)
     assert make_algorithm("cp-diloco", lazy_layers="none").lazy_layers is None
@@ -658,7 +705,7 @@ def test_lazy_parameters_select_untied_tables_and_named_modules():
     """``lazy_layers="embeddings"``: gpt-ngram's n-gram tables and position table, not gpt's
     token table (tied to the output head); named modules take their children; a selection of
     nothing, of everything or of a module that does not exist is refused at bind."""
-    from lowband.algorithms.cp_diloco import lazy_parameters
+    from lowband.algorithms.cp_diloco import lazy_groups, lazy_parameters
     from lowband.app.models import make_model
 
     def chosen(model, spec):
@@ -670,10 +717,41 @@ def test_lazy_parameters_select_untied_tables_and_named_modules():
     assert chosen(make_model("gpt-ngram"), "ngrams") == ["ngrams.0.weight", "ngrams.1.weight"]
     assert chosen(make_model("gpt"), "tok") == []                 # tied to the head
     assert chosen(SmallNet(), "conv, fc1") == ["conv.weight", "conv.bias", "fc1.weight", "fc1.bias"]
+    # lazy_per_layer: one group per module holding the parameters, in the parameters' order
+    net = make_model("gpt-ngram")
+    names = [n for n, _ in net.named_parameters()]
+    per_layer = lazy_groups(net, list(net.parameters()), "embeddings", True)
+    assert [(label, [names[i] for i in group]) for label, group in per_layer] == [
+        ("pos", ["pos.weight"]), ("ngrams.0", ["ngrams.0.weight"]), ("ngrams.1", ["ngrams.1.weight"])]
+    small = SmallNet()
+    assert [label for label, _ in lazy_groups(small, list(small.parameters()), "conv,fc1", True)] == ["conv", "fc1"]
+    assert len(lazy_groups(net, list(net.parameters()), "embeddings", False)) == 1
     with pytest.raises(ValueError, match="no module of the model"):
         chosen(SmallNet(), "fc9")
     errors = run_distributed(_bind_errors, 1, ["embeddings", "conv,fc1,fc2"])[0]
     assert "selects no parameter" in errors[0] and "selects every parameter" in errors[1], errors
+
+
+def _lazy_checkpoint_error(rank: int, world: int) -> str:
+    engines = []
+    for per_layer in (True, False):
+        model = SmallNet()
+        engines.append(lowband.distribute(model, make_optimizer("sgd", model), "cp-diloco", lazy_layers="conv,fc1",
+                                          lazy_per_layer=per_layer))
+    try:
+        engines[1].bound.load_state_dict(engines[0].bound.state_dict())
+        return ""
+    except ValueError as e:
+        return str(e)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_checkpoint_with_other_lazy_groups_is_refused():
+    """A checkpoint saved one lazy message per layer does not load into one group (nor back)."""
+    error = run_distributed(_lazy_checkpoint_error, 1)[0]
+    assert "saved with lazy groups ['conv', 'fc1'], this run has ['']" in error, error
 
 
 def _bind_errors(rank: int, world: int, specs: list[str]) -> list[str]:

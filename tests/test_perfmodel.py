@@ -720,3 +720,141 @@ def test_the_pipelines_cpu_beyond_the_codec_is_charged_once_per_compressed_bucke
                     free).step_s == pytest.approx(base, rel=1e-9)
     with pytest.raises(Exception, match="pipeline_cpu_s"):
         dataclasses.replace(prof, pipeline_cpu_s={"cpsgd": -1.0}).check()
+
+
+def _flag_width(rows: int, n: int) -> int:
+    """sparse_rows' packed flags of ``rows`` table rows among n ranks, from its description:
+    b bits per row with 2**b > n, (22 - b) // b rows per fp32 value."""
+    b = next(b for b in range(1, 12) if 2 ** b > n)
+    return math.ceil(rows / ((22 - b) // b))
+
+
+def _with_table(prof, i, rows, **more):
+    """``prof`` with parameter i an embedding table of ``rows`` rows (``table``)."""
+    import dataclasses
+    p = prof.params[i]
+    prof.params[i] = dataclasses.replace(p, shape=[rows, p.numel // rows], table=True, **more)
+    return prof
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cp_diloco_sends_the_packed_row_flags_of_its_untied_tables(n):
+    """sparse_rows (the default): each round's message carries its embedding tables' trained-row
+    flags, packed, as an exact fp32 segment. With codes that cost nothing, turning it on adds
+    exactly what an fp32 all-reduce of the packed values sends per round (allgather at 2 ranks,
+    two-stage at 4: both carry exact values at a ring all-reduce's bytes); gpt-ngram's 8320
+    rows are 3328 B at 2 ranks and 5548 B at 4. A tied table (held by another module too: no
+    ``table``) adds nothing, nor does sparse_rows on a model without tables."""
+    import dataclasses
+    rows, H = 8320, 4
+    free_codes = CodecInfo(encode_gbps=1.0, decode_gbps=1.0, payload_ratio=0.0)
+    prof = make_profile([rows * 16, 256 * 16, 5000, 1], [0.001] * 4, codec=free_codes)
+    prof = _with_table(prof, 0, rows)
+    prof.params[1] = dataclasses.replace(prof.params[1], shape=[256, 16], owners=["m1", "head"])   # tied
+    cl = Cluster(n, Network(1 * GBIT, 1e-5))
+
+    def per_round(p, **opts):
+        return estimate(p, "cp-diloco", {"sync_every": H, **opts}, cl).bytes_sent * H
+
+    width = _flag_width(rows, n)
+    assert 4 * width == {2: 3328, 4: 5548}[n]
+    assert per_round(prof) - per_round(prof, sparse_rows=False) == pytest.approx(wire.allreduce_bytes(4 * width, n))
+    # with 2-bit codes the segment's (zero) codes travel as well
+    coded = dataclasses.replace(prof, codecs={"2bit": _codec()})
+    assert per_round(coded) - per_round(coded, sparse_rows=False) > wire.allreduce_bytes(4 * width, n)
+    # no table: nothing changes
+    plain = dataclasses.replace(prof, params=[dataclasses.replace(p, table=False) for p in prof.params])
+    on, off = (estimate(plain, "cp-diloco", {"sync_every": H, "sparse_rows": s}, cl) for s in (True, False))
+    assert (on.bytes_sent, on.step_s) == (off.bytes_sent, off.step_s)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cp_diloco_lazy_layers_travel_in_a_message_of_their_own_every_tau_rounds(n):
+    """lazy_layers: the selected parameters leave the round's message and travel in their own
+    message (with their tables' flags and the three statistics of the auto rule) every tau-th
+    round. All in fp32 (correction_every=1), each message is one ring all-reduce: with
+    lazy_every=4 the lazy message's bytes count once per 4 rounds. Compressed, the bytes per
+    round are E + L / tau (E the round's own message, L the lazy one)."""
+    rows, dim, H = 1000, 8, 4
+    prof = _with_table(make_profile([rows * dim, 3000, 1], [0.001] * 3, codec=_codec()), 0, rows)
+    cl = Cluster(n, Network(1 * GBIT, 1e-5))
+
+    def per_round(**opts):
+        return estimate(prof, "cp-diloco", {"sync_every": H, **opts}, cl).bytes_sent * H
+
+    eager, lazy = 4 * (3000 + 1), 4 * rows * dim + 4 * _flag_width(rows, n) + 4 * 3
+    exact = {"correction_every": 1, "lazy_layers": "embeddings"}
+    got = per_round(**exact, lazy_every=4)
+    assert got == pytest.approx(wire.allreduce_bytes(eager, n) + wire.allreduce_bytes(lazy, n) / 4)
+    assert per_round(correction_every=1) == pytest.approx(wire.allreduce_bytes(eager + lazy - 12, n))
+    # the module's name selects the same parameters; "auto" takes the mean tau given (default 4)
+    assert per_round(correction_every=1, lazy_layers="m0", lazy_every=4) == pytest.approx(got)
+    assert per_round(**exact, lazy_every="auto") == pytest.approx(got)
+    assert per_round(**exact, lazy_every="auto", tau=4) == pytest.approx(got)
+    assert per_round(**exact, lazy_every="auto", tau=64, max_lazy_every=8) == pytest.approx(
+        per_round(**exact, lazy_every=8))
+    # compressed (spread correction): E + L / tau, a fractional mean tau included
+    b1, b4 = (per_round(lazy_layers="embeddings", lazy_every=t) for t in (1, 4))
+    L = (b1 - b4) * 4 / 3
+    assert L > 0 and per_round(lazy_layers="embeddings", lazy_every=2) == pytest.approx(b1 - L / 2)
+    assert per_round(lazy_layers="embeddings", tau=2.5) == pytest.approx(b1 - L + L / 2.5)
+    for bad in ("m9", "m0,m1,m2"):       # no module of the profile; every parameter
+        with pytest.raises(ValueError, match="lazy_layers"):
+            per_round(lazy_layers=bad)
+
+
+def test_cp_diloco_auto_round_is_no_longer_with_lazy_layers():
+    """sync_every="auto" fits H to the round's message: with lazy_layers that is the round's
+    own message plus the lazy one's over tau, so H shrinks with the lazy group and with tau."""
+    from lowband.perf.model import resolved_options
+    from lowband.perf.plan import check_algorithm
+    rows = 4096
+    prof = _with_table(make_profile([rows * 64, 200_000, 1000], [0.004, 0.004, 0.001], forward=0.01,
+                                    codec=_codec()), 0, rows)
+    for n in (2, 4):
+        cl = Cluster(n, Network(20e6, 1e-4))
+
+        def H(**opts):
+            return resolved_options(prof, "cp-diloco", opts, cl)["sync_every"]
+
+        whole, h4, h16 = H(), H(lazy_layers="embeddings", lazy_every=4), H(lazy_layers="embeddings", lazy_every=16)
+        assert 4 < whole < 64 and h16 <= h4 < whole, (n, whole, h4, h16)
+        assert H(lazy_layers="embeddings") == h4                # "auto": the model's mean tau, 4
+        assert H(lazy_layers="embeddings", sparse_rows=False) <= h4
+    check_algorithm("cp-diloco", {"lazy_layers": "embeddings", "tau": 8})   # tau: a model option
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "gpt-ngram"])
+def test_the_profile_selects_tables_and_lazy_layers_as_cp_diloco_does(model_name, tmp_path):
+    """A profile built from the model records each parameter's table flag (the algorithm's
+    ``row_tables``) and a tied weight's holders, and the model's selection of ``lazy_layers``
+    from it is the run's ``lazy_parameters`` (gpt's tied ``tok.weight`` is no table and lazy
+    under no spec, since ``head`` holds it too). A profile without the fields loads with no
+    tables."""
+    from lowband.algorithms.cp_diloco import lazy_parameters
+    from lowband.algorithms.sparse_rows import row_tables
+    from lowband.app.models import make_model
+    from lowband.perf.model import lazy_selection
+    from lowband.perf.profile import param_infos
+    model = make_model(model_name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prof = make_profile([1] * len(params), [0.0] * len(params))
+    prof.params = param_infos(model)
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    prof = load_profile(str(path))
+    tables = [i for i, p in enumerate(prof.params) if p.table]
+    assert tables == row_tables(model, params, list(range(len(params))))
+    names = [p.name for p in prof.params]
+    assert [names[i] for i in tables] == ["pos.weight"] + (["ngrams.0.weight", "ngrams.1.weight"]
+                                                           if model_name == "gpt-ngram" else [])
+    assert prof.params[names.index("tok.weight")].holders == ["tok", "head"]
+    specs = ["embeddings", "tok", "head", "tok,pos", "tok+head", "blocks.0", "blocks", "ln_f+pos"]
+    for spec in specs + (["ngrams", "ngrams.1+pos"] if model_name == "gpt-ngram" else []):
+        assert lazy_selection(prof, spec) == lazy_parameters(model, params, spec), spec
+    with pytest.raises(ValueError, match="no_such"):
+        lazy_selection(prof, "no_such")
+    old = prof.to_dict()
+    for p in old["params"]:
+        del p["table"], p["owners"]
+    assert not any(p.table or p.owners for p in Profile.from_dict(old).params)

@@ -78,6 +78,8 @@ class PartlyUsed(SmallNet):
 def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    if kind == "sgd-hot":            # large steps: layers whose progress disagrees between rounds
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     return torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-3)
 
 

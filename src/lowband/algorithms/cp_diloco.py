@@ -88,7 +88,9 @@ progress g keeps the direction and size of the accumulated progress a, tau - 1 w
 holds), decided on the ranks' means of ``|g|^2``, ``|a|^2`` and ``|g - a|^2``, which ride in
 fp32 in the group's message: every rank decides the same tau when the message is applied.
 The spread correction cycles through each message's own shares (the lazy message's by its
-syncs). The burst correction is refused with lazy layers.
+syncs). The burst correction is refused with lazy layers. With ``lazy_per_layer`` every layer
+of the selection is a group of its own (its own message, residual, statistics and tau), and
+each formula above holds per group.
 
 ``drain()`` (``engine.synchronize()``, the end of training) settles everything pending: it
 applies the round in flight, then subtracts the ranks' exact fp32 mean of (progress since
@@ -174,6 +176,24 @@ def lazy_parameters(model: torch.nn.Module, params: list, spec: str) -> list[int
         for q in m.parameters(recurse=False):
             owners.setdefault(id(q), []).append(id(m))
     return [i for i, q in enumerate(params) if owners.get(id(q)) and all(o in selected for o in owners[id(q)])]
+
+
+def lazy_groups(model: torch.nn.Module, params: list, spec: str, per_layer: bool) -> list[tuple[str, list[int]]]:
+    """The lazy messages of ``lazy_layers=spec`` as (label, indices into ``params``): one group
+    of every selected parameter (label ``""``), or with ``per_layer`` one per layer, the
+    module that holds its parameters directly (labelled by its name), in the order of
+    ``params``."""
+    lazy = lazy_parameters(model, params, spec)
+    if not per_layer:
+        return [("", lazy)] if lazy else []
+    owner: dict[int, str] = {}
+    for name, m in model.named_modules():
+        for q in m.parameters(recurse=False):
+            owner.setdefault(id(q), name)
+    groups: dict[str, list[int]] = {}
+    for i in lazy:
+        groups.setdefault(owner[id(params[i])], []).append(i)
+    return list(groups.items())
 
 
 @dataclass
@@ -311,6 +331,12 @@ class CPDiLoCo(Algorithm):
             (the default): the lazy update's rule on the group's outer gradients (module
             docstring), from 1 up to ``max_lazy_every``.
         max_lazy_every: the largest tau ``"auto"`` may reach (16).
+        lazy_per_layer: one lazy message per layer (the module that holds the parameters
+            directly: each embedding table, or each layer of a named block), each with its own
+            residual and its own tau under ``"auto"``, so a layer whose progress keeps its
+            direction syncs less often than one whose rounds cancel. False (the default): one
+            message and one tau for every selected parameter, one collective per sync instead
+            of one per layer (docs/cp-diloco.md).
         sparse_rows: average each row of the model's embedding tables (the weights of
             ``nn.Embedding``/``nn.EmbeddingBag`` tables no other layer shares) over the ranks
             that trained it since its message was last sent (a non-zero gradient of the row in
@@ -343,6 +369,7 @@ class CPDiLoCo(Algorithm):
     lazy_layers: Optional[str] = None
     lazy_every: Union[int, str] = "auto"
     max_lazy_every: int = 16
+    lazy_per_layer: bool = False
     sparse_rows: bool = True
 
     name: ClassVar[str] = "cp-diloco"
@@ -372,7 +399,7 @@ class CPDiLoCo(Algorithm):
         if self.correction not in CORRECTIONS:
             raise ValueError(f"{self.name}: correction must be one of {CORRECTIONS}, got {self.correction!r}")
         for knob in ("nesterov", "error_feedback", "pipelined", "blocking_correction", "compress_vectors",
-                     "sparse_rows"):
+                     "sparse_rows", "lazy_per_layer"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         if isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
@@ -457,6 +484,26 @@ class _Flight:
         return self._value
 
 
+class _LazyGroup:
+    """One lazy message (``lazy_layers``: every selected parameter, or with ``lazy_per_layer``
+    one layer's): its elements, its bucket in the reducer (its own residual), its period tau
+    and the state between its syncs."""
+
+    def __init__(self, label: str, params: list[int], bucket: str, index: torch.Tensor,
+                 segments: list[tuple[str, int]], exact: list[bool], rows: Optional[RowCounter], tau: int):
+        self.label, self.params, self.bucket = label, params, bucket
+        self.index, self.numel = index, int(index.numel())     # flat element indices
+        self.segments, self.exact, self.rows = segments, exact, rows
+        self.tau = tau
+        self.next = 0                                # the round whose end next sends the group
+        self.syncs = 0                               # its messages sent
+        self.rounds = 0                              # rounds of progress in its unsent u (before this one)
+        self.prev: Optional[torch.Tensor] = None     # its u at the last round end that did not send it
+        self.flight: Optional[_Flight] = None        # its message, sent at the same round end as in_flight
+        #: (round, tau) where tau took a new value
+        self.history: list[list[int]] = [[0, tau]]
+
+
 class BoundCPDiLoCo(BoundAlgorithm):
     """CP-DiLoCo bound to one engine: the reducer (residuals), anchor, outer momentum, the
     round's starting point, the round in flight and the counters."""
@@ -474,8 +521,10 @@ class BoundCPDiLoCo(BoundAlgorithm):
         everything = range(len(ctx.params))
         self.segments = bucket_segments(ctx.names, ctx.params, everything)
         self.numel = sum(p.numel() for p in ctx.params)
-        # the lazy group (lazy_layers) and the rest, the round's own message
-        lazy = [] if cfg.lazy_layers is None else lazy_parameters(ctx.model, ctx.params, cfg.lazy_layers)
+        # the lazy groups (lazy_layers) and the rest, the round's own message
+        groups = ([] if cfg.lazy_layers is None else
+                  lazy_groups(ctx.model, ctx.params, cfg.lazy_layers, cfg.lazy_per_layer))
+        lazy = sorted(i for _, group in groups for i in group)
         if cfg.lazy_layers is not None and not 0 < len(lazy) < len(ctx.params):
             raise ValueError(f"{self.name}: lazy_layers={cfg.lazy_layers!r} selects "
                              f"{'no' if not lazy else 'every'} parameter; it must leave some parameters to "
@@ -484,30 +533,25 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.lazy_params = [ctx.names[i] for i in lazy]
         # sparse_rows: each message's embedding tables, their offsets in its flat vector
         self.rows = self._row_counter(eager) if cfg.sparse_rows else None
-        self.lazy_rows = self._row_counter(lazy) if cfg.sparse_rows and lazy else None
         self.exact_segments = exact_vector_segments(ctx.params, eager, cfg.compress_vectors)
         self.n_eager = sum(ctx.params[i].numel() for i in eager)
-        self.eager_index = self.lazy_index = None           # flat element indices (None: no lazy group)
+        self.eager_index: Optional[torch.Tensor] = None     # flat element indices (None: no lazy group)
+        self.lazy: list[_LazyGroup] = []
         if lazy:
             starts = [0]
             for q in ctx.params:
                 starts.append(starts[-1] + q.numel())
             def elements(indices: list[int]) -> torch.Tensor:
                 return torch.cat([torch.arange(starts[i], starts[i + 1], device=self.device) for i in indices])
-            self.eager_index, self.lazy_index = elements(eager), elements(lazy)
-            self.n_lazy = int(self.lazy_index.numel())
-            lazy_segments = bucket_segments(ctx.names, ctx.params, lazy)
-            self.lazy_segments = lazy_segments + self._tail(self.lazy_rows) + [(LAZY_STATS, 3)]
-            self.lazy_exact = (exact_vector_segments(ctx.params, lazy, cfg.compress_vectors)
-                               or [False] * len(lazy_segments)) + [True] * (len(self.lazy_segments) - len(lazy_segments))
-        self.tau = 1 if cfg.lazy_every == "auto" else cfg.lazy_every
-        self.lazy_next = 0                                # the round whose end next sends the lazy group
-        self.lazy_syncs = 0                               # its messages sent
-        self.lazy_rounds = 0                              # rounds of progress in its unsent u (before this one)
-        self.lazy_prev: Optional[torch.Tensor] = None     # its u at the last round end that did not send it
-        self.lazy_flight: Optional[_Flight] = None        # its message, sent at the same round end as in_flight
-        #: (round, tau) where tau took a new value
-        self.tau_history: list[list[int]] = [[0, self.tau]]
+            self.eager_index = elements(eager)
+            for label, group in groups:
+                rows = self._row_counter(group) if cfg.sparse_rows else None
+                own = bucket_segments(ctx.names, ctx.params, group)
+                segments = own + self._tail(rows) + [(LAZY_STATS, 3)]
+                exact = ((exact_vector_segments(ctx.params, group, cfg.compress_vectors) or [False] * len(own))
+                         + [True] * (len(segments) - len(own)))
+                self.lazy.append(_LazyGroup(label, group, f"{LAZY}:{label}" if label else LAZY, elements(group),
+                                            segments, exact, rows, 1 if cfg.lazy_every == "auto" else cfg.lazy_every))
         #: written weights read back equal what was written (no rounding to a lower precision)
         self.all_fp32 = all(p.dtype == torch.float32 for p in ctx.params)
         self.warmup = Warmup(cfg.warmup_steps)
@@ -588,9 +632,9 @@ class BoundCPDiLoCo(BoundAlgorithm):
             return False, ((lo, hi) if hi > lo else None)
         return False, None
 
-    def lazy_due(self, r: int) -> bool:
-        """Whether round r's end sends the lazy group (``lazy_layers``)."""
-        return self.lazy_index is not None and r >= self.lazy_next
+    def lazy_due(self, r: int) -> list[_LazyGroup]:
+        """The lazy groups round r's end sends (``lazy_layers``)."""
+        return [g for g in self.lazy if r >= g.next]
 
     def finiteness(self) -> Finiteness:
         """A step whose gradients reach the anchor only at a later ``step()`` lets the engine
@@ -680,16 +724,17 @@ class BoundCPDiLoCo(BoundAlgorithm):
         return anchor, momentum
 
     def _apply(self) -> Optional[torch.Tensor]:
-        """The outer step of the round in flight (waits for it): its own message and, when it
-        carried the lazy group, the group's. Returns the elements it moved (None: all)."""
-        flight, lazy = self.in_flight, self.lazy_flight
-        self.in_flight = self.lazy_flight = None
+        """The outer step of the round in flight (waits for it): its own message and the lazy
+        groups' it sent. Returns the elements it moved (None: all)."""
+        flight, lazy = self.in_flight, [g for g in self.lazy if g.flight is not None]
+        self.in_flight = None
         self.anchor, self.momentum = self._outer_at(self.anchor, self.momentum, flight.index, flight.result())
         seconds = self._message_seconds(flight)
-        if lazy is not None:
-            self.anchor, self.momentum = self._outer_at(self.anchor, self.momentum, lazy.index, lazy.result())
-            self._decide_tau(lazy)
-            seconds = None if seconds is None or lazy.seconds is None else seconds + lazy.seconds
+        for g in lazy:
+            f, g.flight = g.flight, None
+            self.anchor, self.momentum = self._outer_at(self.anchor, self.momentum, f.index, f.result())
+            self._decide_tau(g, f)
+            seconds = None if seconds is None or f.seconds is None else seconds + f.seconds
         self.outer_steps += 1
         self._read_residual()
         if self.auto:
@@ -697,22 +742,26 @@ class BoundCPDiLoCo(BoundAlgorithm):
                 self._message_times = (self._message_times + [seconds])[-MESSAGE_WINDOW:]
             if flight.measured is not None:
                 self._agreed = flight.measured
-        return None if lazy is not None else flight.index
+        if not lazy:
+            return flight.index
+        if len(lazy) == len(self.lazy):
+            return None
+        return torch.cat([flight.index] + [g.index for g in lazy])
 
-    def _decide_tau(self, lazy: _Flight) -> None:
-        """``lazy_every="auto"``: the lazy update's rule on the ranks' mean statistics of the
-        group's message (:func:`lowband.algorithms.lazy.interval_rule`), which sets
-        the round of its next sync."""
+    def _decide_tau(self, g: _LazyGroup, f: _Flight) -> None:
+        """``lazy_every="auto"``: the lazy update's rule on the ranks' mean statistics of group
+        g's message f (:func:`lowband.algorithms.lazy.interval_rule`), which sets the round of
+        its next sync."""
         if self.cfg.lazy_every != "auto":
             return
-        g2, a2, d2 = lazy.measured
+        g2, a2, d2 = f.measured
         # n = 1: a is g, both tests hold with equality (decided without the rounded values)
-        tau = self.tau + 1 if lazy.rounds == 1 else interval_rule(g2, a2, d2, lazy.rounds, self.tau)[0]
+        tau = g.tau + 1 if f.rounds == 1 else interval_rule(g2, a2, d2, f.rounds, g.tau)[0]
         tau = min(tau, self.cfg.max_lazy_every)
-        if tau != self.tau:
-            self.tau = tau
-            self.tau_history.append([lazy.round + 1, tau])
-        self.lazy_next = lazy.round + tau
+        if tau != g.tau:
+            g.tau = tau
+            g.history.append([f.round + 1, tau])
+        g.next = f.round + tau
 
     def _read_residual(self) -> None:
         """The norm of this rank's residuals (nothing of the reducer is queued at the callers)."""
@@ -721,17 +770,18 @@ class BoundCPDiLoCo(BoundAlgorithm):
             self.residual_norm = None
             return
         self.residual_norm = float(e[:self.n_eager].norm())
-        lazy = self.reducer.worker_residual(LAZY)
-        if lazy is not None:
-            self.residual_norm = math.hypot(self.residual_norm, float(lazy[:self.n_lazy].norm()))
+        for g in self.lazy:
+            lazy = self.reducer.worker_residual(g.bucket)
+            if lazy is not None:
+                self.residual_norm = math.hypot(self.residual_norm, float(lazy[:g.numel].norm()))
 
     # -- iteration -----------------------------------------------------------------------
     def step(self) -> None:
         t = self.t
         self._metrics = {"round": self.round_of(t), "sync_every": self.H, "apply_after": self.apply_at,
                          "warmup": self.warmup.active(t), "round_end": False, "message": None}
-        if self.lazy_index is not None:
-            self._metrics.update(lazy_every=self.tau, lazy=False)
+        if self.lazy:
+            self._metrics.update(lazy_every=self._taus(), lazy=False)
         if self.warmup.active(t):
             self._average_gradients()
         elif self.anchor is None:                     # the first round starts from these weights
@@ -742,9 +792,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
         if self.ctx.clip is not None:
             self.ctx.clip_gradients([p.grad for p in self.ctx.params])
         if not self.warmup.active(t):
-            for rows in (self.rows, self.lazy_rows):
-                if rows is not None:
-                    rows.observe()
+            for rows in self._row_counters():
+                rows.observe()
         self.ctx.optimizer.step()
         if not self.warmup.active(t):
             self.in_sync = False
@@ -826,9 +875,9 @@ class BoundCPDiLoCo(BoundAlgorithm):
                 p.grad = None
             offset += n
 
-    def _send(self, d: torch.Tensor, r: int, due: bool) -> None:
-        """Round r's messages onto the reducer's queue (``in_flight``, and ``lazy_flight`` when
-        the lazy group is ``due``): ``d`` is every element's unsent progress."""
+    def _send(self, d: torch.Tensor, r: int, due: list[_LazyGroup]) -> None:
+        """Round r's messages onto the reducer's queue (``in_flight``, and the ``due`` lazy
+        groups' ``flight``): ``d`` is every element's unsent progress."""
         exact, share = self.message_of(r)
         own = d if self.eager_index is None else d[self.eager_index]
         tail = ([] if self.rows is None else [self.rows.take()]) + ([self._measurements()] if self.auto else [])
@@ -845,38 +894,39 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.residual_clean = exact or not self.cfg.error_feedback
         self.in_flight = _Flight(handle, r, exact, numel=self.n_eager if tail else None, index=self.eager_index,
                                  rows=self.rows)
-        if due:
-            self.lazy_flight = self._send_lazy(d[self.lazy_index], r)
+        for g in due:
+            g.flight = self._send_lazy(g, d[g.index], r)
             self._metrics["lazy"] = True
 
-    def _send_lazy(self, u: torch.Tensor, r: int) -> _Flight:
-        """The lazy group's message: its progress ``u`` over the rounds since its last sync,
-        and the three statistics of ``lazy_every="auto"``'s rule (this rank's ``|g|^2``,
-        ``|u|^2``, ``|g - u|^2``, g the last round's progress)."""
-        g = u if self.lazy_prev is None else u - self.lazy_prev
-        g64, u64 = g.double(), u.double()
-        stats = torch.stack([g64.dot(g64), u64.dot(u64), (g64 - u64).dot(g64 - u64)]).to(torch.float32)
-        exact, share = self.message_of(self.lazy_syncs, self.n_lazy)
-        rows = [] if self.lazy_rows is None else [self.lazy_rows.take()]
+    def _send_lazy(self, g: _LazyGroup, u: torch.Tensor, r: int) -> _Flight:
+        """Lazy group g's message: its progress ``u`` over the rounds since its last sync, and
+        the three statistics of ``lazy_every="auto"``'s rule (this rank's ``|l|^2``,
+        ``|u|^2``, ``|l - u|^2``, l the last round's progress)."""
+        last = u if g.prev is None else u - g.prev
+        l64, u64 = last.double(), u.double()
+        stats = torch.stack([l64.dot(l64), u64.dot(u64), (l64 - u64).dot(l64 - u64)]).to(torch.float32)
+        exact, share = self.message_of(g.syncs, g.numel)
+        rows = [] if g.rows is None else [g.rows.take()]
         payload = torch.cat([u] + rows + [stats.to(u.device)])
         if exact:
-            handle = self.reducer.start_full_precision(payload, LAZY, self.lazy_segments, flush_residuals=True)
+            handle = self.reducer.start_full_precision(payload, g.bucket, g.segments, flush_residuals=True)
         else:
-            handle = self.reducer.start(payload, LAZY, self.lazy_segments, exact=share, flush_exact=True,
-                                        exact_segments=self.lazy_exact, copy=False)
-        flight = _Flight(handle, r, exact, numel=self.n_lazy, index=self.lazy_index, rows=self.lazy_rows)
-        flight.rounds = self.lazy_rounds + 1
-        self.lazy_syncs += 1
-        self.lazy_rounds, self.lazy_prev = 0, None
-        self.lazy_next = r + self.tau                  # under "auto" the rule moves it when applied
+            handle = self.reducer.start(payload, g.bucket, g.segments, exact=share, flush_exact=True,
+                                        exact_segments=g.exact, copy=False)
+        flight = _Flight(handle, r, exact, numel=g.numel, index=g.index, rows=g.rows)
+        flight.rounds = g.rounds + 1
+        g.syncs += 1
+        g.rounds, g.prev = 0, None
+        g.next = r + g.tau                             # under "auto" the rule moves it when applied
         self.residual_clean = self.residual_clean and (exact or not self.cfg.error_feedback)
         return flight
 
-    def _lazy_round_passed(self, u: torch.Tensor) -> None:
-        """A round end that did not send the lazy group: ``u`` is its unsent progress."""
-        if self.lazy_index is not None:
-            self.lazy_prev = u[self.lazy_index].clone()
-            self.lazy_rounds += 1
+    def _lazy_round_passed(self, u: torch.Tensor, due: list[_LazyGroup]) -> None:
+        """A round end: the lazy groups it did not send keep ``u``, their unsent progress."""
+        for g in self.lazy:
+            if g not in due:
+                g.prev = u[g.index].clone()
+                g.rounds += 1
 
     def _apply_due(self, t: int) -> bool:
         """Whether step ``t`` (not a round end) applies the round in flight (``apply_after``)."""
@@ -915,8 +965,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
             due = self.lazy_due(r)
             self._send(d, r, due)
             index = self._apply()
-            if not due:
-                self._lazy_round_passed(d)
+            self._lazy_round_passed(d, due)
             if index is None:
                 self._write_params(self.anchor)
                 self.base = self.anchor.clone()
@@ -931,10 +980,9 @@ class BoundCPDiLoCo(BoundAlgorithm):
         # (the new job would change it); it normally arrived long ago. ``previous``: the
         # elements it moved (None: all)
         previous = self._apply() if moved else None
-        due = self.lazy_due(r)                        # after the apply: the rule may have moved it
+        due = self.lazy_due(r)                        # after the apply: the rule may have moved them
         self._send(d, r, due)
-        if not due:
-            self._lazy_round_passed(d)
+        self._lazy_round_passed(d, due)
         written = theta
         if moved:                                     # rebased, the round's own progress at weight w
             w = self.cfg.local_weight
@@ -946,12 +994,13 @@ class BoundCPDiLoCo(BoundAlgorithm):
             self._write_params(written)
             if not self.all_fp32:
                 written = self._flat_params()
-        if due or self.lazy_index is None:            # every element's progress is in flight
+        if len(due) == len(self.lazy):                # every element's progress is in flight
             self.base = written
             return
-        if moved and previous is None:                # the lazy group was rebased: its unsent progress kept
-            self.base[self.lazy_index] = written[self.lazy_index] + d[self.lazy_index]
+        # a sent element starts anew; an unsent one keeps its progress (rebased or not)
         self.base[self.eager_index] = written[self.eager_index]
+        for g in self.lazy:
+            self.base[g.index] = written[g.index] if g in due else written[g.index] + d[g.index]
 
     # -- global model --------------------------------------------------------------------
     def _settled(self, anchor: torch.Tensor, momentum: Optional[torch.Tensor], zero: bool
@@ -961,15 +1010,14 @@ class BoundCPDiLoCo(BoundAlgorithm):
         subtracted, averaged by one fp32 all-reduce on the engine's communicator (the caller's
         counter: :meth:`Engine.global_model` counts it apart). ``zero``: the residuals are
         flushed (drain) or left as they are (an evaluation)."""
-        for f in (self.in_flight, self.lazy_flight):
+        for f in [self.in_flight] + [g.flight for g in self.lazy]:
             if f is not None:
                 anchor, momentum = self._outer_at(anchor, momentum, f.index, f.result())
         pending = self.base - self._flat_params()
         # nothing is queued (waited above); the buckets' tails (row flags, measurements,
         # statistics) get 0
         groups = [(DELTA, self.eager_index, self.rows, 2 if self.auto else 0)]
-        if self.lazy_index is not None:
-            groups.append((LAZY, self.lazy_index, self.lazy_rows, 3))
+        groups += [(g.bucket, g.index, g.rows, 3) for g in self.lazy]
         for bucket, index, rows, extra in groups:
             extra += 0 if rows is None else rows.width
             if index is None and extra == 0:
@@ -1026,8 +1074,9 @@ class BoundCPDiLoCo(BoundAlgorithm):
         if self.in_flight is not None:
             self.outer_steps += 1
         self.anchor, self.momentum = self._settled(self.anchor, self.momentum, zero=True)
-        self.in_flight = self.lazy_flight = None
-        self.lazy_prev, self.lazy_rounds = None, 0
+        self.in_flight = None
+        for g in self.lazy:
+            g.flight, g.prev, g.rounds = None, None, 0
         self._write_params(self.anchor)
         self.base = self.anchor.clone()
         self.in_sync = self.residual_clean = True
@@ -1039,8 +1088,8 @@ class BoundCPDiLoCo(BoundAlgorithm):
         """``round`` (None in the warm-up), ``sync_every`` (the H of the step's round: under
         ``"auto"`` the value the rule chose), ``warmup``, ``round_end``,
         ``message`` (at a round end: ``compressed``, ``spread`` (with an exact share) or
-        ``exact``), with ``lazy_layers`` ``lazy_every`` (tau) and ``lazy`` (the round end sent the
-        lazy group), and ``residual_norm`` (this rank's residual after the last applied round;
+        ``exact``), with ``lazy_layers`` ``lazy_every`` (tau; with ``lazy_per_layer`` each
+        layer's by name) and ``lazy`` (the round end sent a lazy group), and ``residual_norm`` (this rank's residual after the last applied round;
         None before). The training loop logs each step's counted bytes beside them (a round's
         message is counted when the background queue sends it)."""
         return dict(self._metrics)
@@ -1050,14 +1099,30 @@ class BoundCPDiLoCo(BoundAlgorithm):
                 "sync_every": self.H, "sync_every_auto": self.auto,
                 "sync_every_history": [list(h) for h in self.H_history], "pipelined": self.cfg.pipelined,
                 "collective": self.reducer.name, "residual_norm": self.residual_norm,
-                **({"sparse_rows": self._row_table_names()} if self.rows or self.lazy_rows else {}),
-                **({} if self.lazy_index is None else
-                   {"lazy_params": list(self.lazy_params), "lazy_syncs": self.lazy_syncs, "lazy_every": self.tau,
-                    "lazy_every_history": [list(h) for h in self.tau_history]})}
+                **({"sparse_rows": self._row_table_names()} if self._row_counters() else {}),
+                **({} if not self.lazy else
+                   {"lazy_params": list(self.lazy_params), "lazy_syncs": sum(g.syncs for g in self.lazy),
+                    "lazy_every": self._taus(),
+                    "lazy_every_history": self._lazy_histories()})}
+
+    def _taus(self) -> Union[int, dict[str, int]]:
+        """tau: the lazy group's, or with ``lazy_per_layer`` each layer's by its name."""
+        if not self.cfg.lazy_per_layer:
+            return self.lazy[0].tau
+        return {g.label: g.tau for g in self.lazy}
+
+    def _lazy_histories(self) -> Union[list[list[int]], dict[str, list[list[int]]]]:
+        if not self.cfg.lazy_per_layer:
+            return [list(h) for h in self.lazy[0].history]
+        return {g.label: [list(h) for h in g.history] for g in self.lazy}
+
+    def _row_counters(self) -> list[RowCounter]:
+        """``sparse_rows``: the counters of the messages that carry embedding tables."""
+        return [c for c in [self.rows] + [g.rows for g in self.lazy] if c is not None]
 
     def _row_table_names(self) -> list[str]:
-        """The embedding tables ``sparse_rows`` averages by rows (the round's, then the lazy group's)."""
-        return [self.ctx.names[i] for c in (self.rows, self.lazy_rows) if c is not None for i, *_ in c.tables]
+        """The embedding tables ``sparse_rows`` averages by rows (the round's, then the lazy groups')."""
+        return [self.ctx.names[i] for c in self._row_counters() for i, *_ in c.tables]
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -1076,20 +1141,23 @@ class BoundCPDiLoCo(BoundAlgorithm):
                             "agreed": None if self._agreed is None else list(self._agreed)}
         if self.in_flight is not None:
             state["in_flight"] = self._flight_state(self.in_flight)
-        if self.lazy_index is not None:
-            state["lazy"] = {"tau": self.tau, "next": self.lazy_next, "syncs": self.lazy_syncs,
-                             "rounds": self.lazy_rounds, "history": [list(h) for h in self.tau_history],
-                             "prev": None if self.lazy_prev is None else self._by_name(self._full(self.lazy_prev)),
-                             "in_flight": None if self.lazy_flight is None else self._flight_state(self.lazy_flight)}
-        state["rows"] = {name: rows.state_dict() for name, rows in (("delta", self.rows), ("lazy", self.lazy_rows))
-                         if rows is not None}
+        if self.lazy:
+            state["lazy"] = [{"layer": g.label, "tau": g.tau, "next": g.next, "syncs": g.syncs, "rounds": g.rounds,
+                              "history": [list(h) for h in g.history],
+                              "prev": None if g.prev is None else self._by_name(self._full(g.prev, g.index)),
+                              "in_flight": None if g.flight is None else self._flight_state(g.flight)}
+                             for g in self.lazy]
+        state["rows"] = {name: rows.state_dict() for name, rows in self._named_row_counters() if rows is not None}
         state["collective"] = self.reducer.state_dict()      # after the wait: residuals settled
         return state
 
-    def _full(self, values: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``values`` of the elements ``index`` (default: the lazy group's) in a flat vector of
-        every element, zeros elsewhere (checkpoints save per parameter name)."""
-        index = self.lazy_index if index is None else index
+    def _named_row_counters(self) -> list[tuple[str, Optional[RowCounter]]]:
+        """Each message's ``sparse_rows`` counter (None: none) by its name in checkpoints."""
+        return [("delta", self.rows)] + [("lazy" + (f":{g.label}" if g.label else ""), g.rows) for g in self.lazy]
+
+    def _full(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``values`` of the elements ``index`` in a flat vector of every element, zeros
+        elsewhere (checkpoints save per parameter name)."""
         out = values.new_zeros(self.numel)
         out[index] = values
         return out
@@ -1120,16 +1188,20 @@ class BoundCPDiLoCo(BoundAlgorithm):
         self.base = self._from_names(state["base"])
         self.in_flight = self._restored_flight(state.get("in_flight"), self.eager_index)
         lazy = state.get("lazy")
-        if (lazy is None) != (self.lazy_index is None):
-            raise ValueError(f"{self.name}: the checkpoint was saved {'with' if lazy else 'without'} lazy_layers, "
-                             f"this run has lazy_layers={self.cfg.lazy_layers!r}")
-        if lazy is not None:
-            self.tau, self.lazy_next = int(lazy["tau"]), int(lazy["next"])
-            self.lazy_syncs, self.lazy_rounds = int(lazy["syncs"]), int(lazy["rounds"])
-            self.tau_history = [[int(x) for x in h] for h in lazy["history"]]
-            prev = self._from_names(lazy["prev"])
-            self.lazy_prev = None if prev is None else prev[self.lazy_index]
-            self.lazy_flight = self._restored_flight(lazy["in_flight"], self.lazy_index)
+        if isinstance(lazy, dict):                     # one group, saved before lazy_per_layer
+            lazy = [{"layer": "", **lazy}]
+        saved = None if lazy is None else [str(g.get("layer", "")) for g in lazy]
+        if saved != ([g.label for g in self.lazy] if self.lazy else None):
+            raise ValueError(f"{self.name}: the checkpoint was saved with lazy groups {saved}, this run has "
+                             f"{[g.label for g in self.lazy] if self.lazy else None} (lazy_layers="
+                             f"{self.cfg.lazy_layers!r}, lazy_per_layer={self.cfg.lazy_per_layer})")
+        for g, item in zip(self.lazy, lazy or []):
+            g.tau, g.next = int(item["tau"]), int(item["next"])
+            g.syncs, g.rounds = int(item["syncs"]), int(item["rounds"])
+            g.history = [[int(x) for x in h] for h in item["history"]]
+            prev = self._from_names(item["prev"])
+            g.prev = None if prev is None else prev[g.index]
+            g.flight = self._restored_flight(item["in_flight"], g.index)
         if "round" in state:
             self.round, self.round_start = int(state["round"]), int(state["round_start"])
             self.H_history = [[int(x) for x in h] for h in state["sync_every_history"]]
@@ -1141,7 +1213,7 @@ class BoundCPDiLoCo(BoundAlgorithm):
             self.round = done // self.H
             self.round_start = self.cfg.warmup_steps + self.round * self.H
         saved_rows = state.get("rows") or {}
-        for name, rows in (("delta", self.rows), ("lazy", self.lazy_rows)):
+        for name, rows in self._named_row_counters():
             if rows is not None:
                 rows.load_state_dict(saved_rows.get(name), self.name)
             elif name in saved_rows:

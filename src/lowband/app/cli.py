@@ -347,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "limit (default: %(default)s)")
     pl.add_argument("--algorithms", default="ssgd,compressed,cpsgd,lazy",
                     help="comma-separated NAME[:KEY=VALUE...] with the algorithms' own knobs plus the model's "
-                         "what-ifs: lazy:tau=T, ssgd|lazy:pattern=pcnn, compressed|cpsgd:collective=ps, "
+                         "what-ifs: lazy:tau=T, cp-diloco:tau=T (the mean rounds between lazy_layers' syncs under "
+                         "lazy_every=auto), ssgd|lazy:pattern=pcnn, compressed|cpsgd:collective=ps, "
                          "cpsgd:correction=spread|burst (default: %(default)s)")
     pl.add_argument("--batch-size", type=int, default=None, help="per-worker batch (compute scaled linearly from the profile's)")
     pl.add_argument("--compute-scale", type=float, default=1.0,

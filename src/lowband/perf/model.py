@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Callable, Optional
 
 from ..algorithms.buckets import plan_buckets
-from ..algorithms.cp_diloco import OUTER_ALLGATHER_MAX_WORLD, SyncFitController, fit_share
+from ..algorithms.cp_diloco import OUTER_ALLGATHER_MAX_WORLD, SyncFitController, fit_share, lazy_names
+from ..algorithms.sparse_rows import MAX_WORLD as ROWS_MAX_WORLD, packed_width
 from ..comm.plans import resolve_collective
 from ..comm.wire import MIB
 from .network import Network
@@ -46,6 +48,8 @@ MODEL_OPTIONS = {
     "compressed": {"collective=ps": "MXNet-style parameter server (push compressed, pull fp32 weights)",
                    "ps_servers": "server count for collective=ps (default: one per worker)"},
     "cpsgd": {"collective=ps": "as for compressed", "ps_servers": "as for compressed"},
+    "cp-diloco": {"tau": "with lazy_layers and lazy_every='auto': the mean rounds between the lazy group's "
+                         "syncs; default min(DEFAULT_TAU, max_lazy_every)"},
 }
 #: the lazy update's sync interval when none is given: a placeholder, not a measurement (tau
 #: adapts at run time and grows roughly like sqrt(2 t) when gradients agree; see docs/perfmodel.md)
@@ -748,12 +752,141 @@ def _coerced(name: str, o: dict) -> dict:
     return {**o, **check_options(cls, {k: v for k, v in o.items() if k in known})}
 
 
+def lazy_selection(prof: Profile, spec: Optional[str]) -> list[int]:
+    """The profile's parameters (indices) that ``cp-diloco``'s ``lazy_layers=spec`` selects, by
+    the rule of :func:`lowband.algorithms.cp_diloco.lazy_parameters` on what the profile
+    records of the model: ``"embeddings"``, the embedding tables no other layer shares (the
+    profile's ``table``, taken from the algorithm's own rule when it was measured); module
+    names (``lazy_names``), the parameters whose every holder (``ParamInfo.holders``) is one of
+    the named modules or inside one. Empty for None or ``"none"``; a name that holds no
+    parameter of the profile is refused, as the run refuses a name that is no module."""
+    if spec is None or spec.strip().lower() in ("", "none"):
+        return []
+    if spec.strip().lower() == "embeddings":
+        return [i for i, p in enumerate(prof.params) if p.table]
+    names = lazy_names(spec)
+    modules = set()
+    for p in prof.params:
+        for h in p.holders:
+            parts = h.split(".")
+            modules.update(".".join(parts[:j]) for j in range(1, len(parts) + 1))
+    for n in names:
+        if n not in modules:
+            raise ValueError(f"cp-diloco: lazy_layers names {n!r}, which holds no parameter of the profile")
+
+    def inside(h: str) -> bool:
+        return any(h == n or h.startswith(n + ".") for n in names)
+    return [i for i, p in enumerate(prof.params) if all(inside(h) for h in p.holders)]
+
+
+#: fp32 values each lazy message carries beside its outer gradient: the three statistics of
+#: ``lazy_every="auto"``'s rule (``LAZY_STATS`` in :mod:`lowband.algorithms.cp_diloco`, sent
+#: whatever ``lazy_every``)
+LAZY_STATS_VALUES = 3
+
+
+@dataclass(frozen=True)
+class _Message:
+    """One of cp-diloco's messages per round: ``nbytes`` fp32 bytes of elements with a code in
+    the message (its parameters and the exact values appended behind them), in ``segments``
+    segments, ``exact_bytes`` of them exact (1-D parameters, packed row flags, statistics);
+    ``params_bytes``: its parameters' own (what the spread correction's share is 1/k of)."""
+
+    nbytes: float
+    segments: int
+    exact_bytes: float
+    params_bytes: float
+
+
+def row_flag_bytes(prof: Profile, group: list[int], world: int) -> float:
+    """``sparse_rows``: the bytes of the packed trained-row flags of ``group``'s embedding
+    tables in the message that carries them, among ``world`` ranks: one exact fp32 segment
+    of :func:`lowband.algorithms.sparse_rows.packed_width` values over all their rows (0
+    without tables)."""
+    rows = sum(prof.params[i].shape[0] for i in group if prof.params[i].table)
+    return 4.0 * packed_width(rows, world) if rows else 0.0
+
+
+def _lazy_spec(o: dict) -> Optional[str]:
+    spec = o.get("lazy_layers")
+    return None if spec is None or str(spec).strip().lower() in ("", "none") else str(spec)
+
+
+def cp_diloco_tau(o: dict) -> Fraction:
+    """The rounds between the lazy group's syncs the model charges: an integer ``lazy_every``
+    as given; under ``"auto"`` (tau adapts in a run, from 1 up to ``max_lazy_every``) the model
+    option ``tau``, a mean (default :data:`DEFAULT_TAU` rounds: the lazy model's placeholder),
+    at most ``max_lazy_every``, to the nearest fraction of denominator at most 4 (so that its
+    syncs repeat after ``tau.numerator`` rounds: the model's cycle)."""
+    every = o.get("lazy_every", "auto")
+    if isinstance(every, str) and every.strip().lower() == "auto":
+        tau = float(o.get("tau", DEFAULT_TAU))
+        if not tau >= 1:
+            raise ValueError(f"cp-diloco: tau must be >= 1, got {tau}")
+        return Fraction(min(tau, float(o.get("max_lazy_every", 16)))).limit_denominator(4)
+    tau = int(every)
+    if tau < 1:
+        raise ValueError(f"cp-diloco: lazy_every must be an integer >= 1 or 'auto', got {every!r}")
+    return Fraction(tau)
+
+
+def lazy_sync_due(r: int, tau: Fraction) -> bool:
+    """Whether round r's end sends the lazy group at (mean) interval tau: where
+    ``floor((r + 1) / tau)`` steps up, i.e. every tau-th round, spread evenly for a fractional
+    tau (as the lazy model's sync steps)."""
+    return (r + 1) * tau.denominator // tau.numerator > r * tau.denominator // tau.numerator
+
+
+def cp_diloco_messages(prof: Profile, o: dict, world: int) -> tuple[_Message, list[_Message], list[list[int]]]:
+    """(the round's own message, the lazy messages, their parameter groups) of cp-diloco on
+    ``prof`` among ``world`` ranks. The round's message carries every parameter except the
+    lazy group's (``lazy_layers``: :func:`lazy_selection`; one group, or one per holding module
+    with ``lazy_per_layer``); each message carries its 1-D parameters exact unless
+    ``compress_vectors`` and, with ``sparse_rows``, its tables' packed row flags as one exact
+    segment (:func:`row_flag_bytes`); a lazy message also its three statistics. Not charged:
+    ``sync_every="auto"``'s two measurement values (8 bytes a round)."""
+    n = len(prof.params)
+    spec = _lazy_spec(o)
+    lazy = lazy_selection(prof, spec) if spec is not None else []
+    if spec is not None and not 0 < len(lazy) < n:
+        raise ValueError(f"cp-diloco: lazy_layers={spec!r} selects {'no' if not lazy else 'every'} parameter "
+                         f"of the profile; it must leave some parameters to sync every round")
+    if lazy and o.get("lazy_per_layer", False):
+        by_layer: dict[str, list[int]] = {}
+        for i in lazy:
+            by_layer.setdefault(prof.params[i].holders[0], []).append(i)
+        groups = list(by_layer.values())
+    else:
+        groups = [lazy] if lazy else []
+    chosen = set(lazy)
+    eager = [i for i in range(n) if i not in chosen]
+    sparse = bool(o.get("sparse_rows", True))
+    if sparse and world > ROWS_MAX_WORLD and any(prof.params[i].table for i in range(n)):
+        raise ValueError(f"cp-diloco: sparse_rows counts trainers exactly up to {ROWS_MAX_WORLD} ranks, not "
+                         f"{world}; set sparse_rows=False")
+    cv = bool(o.get("compress_vectors", False))
+
+    def message(group: list[int], stats: int) -> _Message:
+        own = float(sum(prof.params[i].nbytes for i in group))
+        vectors = 0.0 if cv else float(sum(prof.params[i].nbytes for i in group if len(prof.params[i].shape) <= 1))
+        flags = row_flag_bytes(prof, group, world) if sparse else 0.0
+        tail = flags + 4.0 * stats
+        return _Message(own + tail, len(group) + (flags > 0) + (stats > 0), vectors + tail, own)
+    return message(eager, 0), [message(g, LAZY_STATS_VALUES) for g in groups], groups
+
+
 def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     """Local steps; at the end of every round (``sync_every`` steps) the flat outer gradient
     of all parameters goes to the background thread as one message: compressed (the 1-D
     parameters, and the spread correction's 1/k share, in fp32 in the same message) or, on a
-    burst correction round, one fp32 all-reduce. Pipelined (the default), the round end waits
-    only for the previous round's message, then takes the outer step and the rebase; with
+    burst correction round, one fp32 all-reduce. With ``sparse_rows`` (the default) a message
+    that carries embedding tables also carries their packed trained-row flags, an exact fp32
+    segment (:func:`cp_diloco_messages`). With ``lazy_layers`` the round's message leaves out
+    the lazy group, whose own message (compressed, its share and its exact values inside)
+    follows it on the same thread at the rounds where ``floor((r + 1) / tau)`` steps up
+    (every tau-th round, spread evenly at a mean tau: :func:`cp_diloco_tau`); the round end
+    that applies a round waits for both. Pipelined (the default), the round end waits
+    only for the previous round's messages, then takes the outer step and the rebase; with
     ``apply_after`` a < H that wait, outer step and rebase come after the a-th step of the next
     round instead; with ``pipelined=False`` (or a blocking burst correction) the round end waits
     for its own. The outer step and the rebase are charged one optimizer step each. Warm-up
@@ -764,34 +897,43 @@ def _cp_diloco(st: _Step, o: dict, steps: int) -> list[int]:
     collective = kind if kind == "ps" else resolve_collective(kind, st.N, OUTER_ALLGATHER_MAX_WORLD)
     codec_name = o.get("compressor", "2bit")
     k, mode = o.get("correction_every", 32), o.get("correction", "spread")
-    everything = list(range(len(st.p.params)))
-    nb = st.nbytes(everything)
-    exact = _exact_bytes(st, everything, o.get("compress_vectors", False))
-    glue = st.pipeline_glue("cp-diloco", [everything], codec_name, o.get("compress_vectors", False))
+    own, lazy, groups = cp_diloco_messages(st.p, o, st.N)
+    tau = cp_diloco_tau(o) if lazy else Fraction(1)
+    chosen = {i for g in groups for i in g}
+    eager = [i for i in range(len(st.p.params)) if i not in chosen]
+    glue = st.pipeline_glue("cp-diloco", [eager, *groups], codec_name, o.get("compress_vectors", False))
+    ps_servers = o.get("ps_servers")
+
+    def send(tag: str, msg: _Message, launch: int, bg: Optional[int], exact: bool) -> int:
+        if exact:
+            return _fp32_chain(st, tag, msg.nbytes, collective, launch, bg, ps_servers)
+        share = msg.params_bytes / k if k is not None and mode == "spread" else 0.0
+        return _compressed_chain(st, tag, msg.nbytes, msg.segments, collective, codec_name, launch, bg, ps_servers,
+                                 exact_bytes=msg.exact_bytes, share_bytes=share, glue_s=glue)
+
     a = o.get("apply_after")
-    ends, prev, bg, in_flight, r, apply_at = [], None, None, None, 0, None
+    ends, prev, bg, in_flight, r, apply_at = [], None, None, [], 0, None
     for s in range(steps):
         _, _, b = st.forward_backward(s, [prev])
         prev = st.compute(f"s{s}/optimizer", st.p.optimizer_s, [b])
-        if (s + 1) % H and s == apply_at and in_flight is not None:
+        if (s + 1) % H and s == apply_at and in_flight:
             # apply_after: the round in flight applied a steps into the next round
-            prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s, [prev, in_flight])
-            in_flight = apply_at = None
+            prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s, [prev, *in_flight])
+            in_flight, apply_at = [], None
         if (s + 1) % H == 0:
             tag = f"s{s}/round{r}"
             burst = k is not None and (k == 1 or (mode == "burst" and (r + 1) % k == 0))
-            if burst:
-                bg = _fp32_chain(st, tag, nb, collective, prev, bg, o.get("ps_servers"))
-            else:
-                share = nb / k if k is not None and mode == "spread" else 0.0
-                bg = _compressed_chain(st, tag, nb, len(everything), collective, codec_name, prev, bg,
-                                       o.get("ps_servers"), exact_bytes=exact, share_bytes=share, glue_s=glue)
+            bg = send(tag, own, prev, bg, burst)
+            sent = [bg]
+            if lazy and lazy_sync_due(r, tau):
+                for j, msg in enumerate(lazy):      # behind the round's own, on the same thread
+                    bg = send(f"{tag}/lazy{j}", msg, prev, bg, k == 1)
+                    sent.append(bg)
             waits_own = not o.get("pipelined", True) or (burst and o.get("blocking_correction", False))
-            wait = bg if waits_own else in_flight
-            if wait is not None or waits_own:
-                prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s,
-                                  [prev] + ([wait] if wait is not None else []))
-            in_flight = None if waits_own else bg
+            wait = sent if waits_own else in_flight
+            if wait or waits_own:
+                prev = st.compute(f"s{s}/outer step + rebase", 2 * st.p.optimizer_s, [prev, *wait])
+            in_flight = [] if waits_own else sent
             apply_at = s + a if a is not None and not waits_own and a < H else None
             r += 1
         ends.append(prev)
@@ -812,7 +954,11 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
     local step alone, and M, one round's message alone (an unpipelined one-step round less that
     step and the outer step); H = ceil(M / (0.8 share C)) within [min_sync_every,
     max_sync_every] (share: :func:`lowband.algorithms.cp_diloco.fit_share`), and ``apply_after``
-    raised to ceil(M / (0.8 C))."""
+    raised to ceil(M / (0.8 C)). With ``lazy_layers`` M is the round's own message plus the
+    lazy messages' time over tau (:func:`cp_diloco_tau`): the link's mean load per round. (A
+    run's rule reads the median of its last ``MESSAGE_WINDOW`` = 3 message times, a lazy
+    round's counted with its lazy messages, which for tau >= 3 is the round's own message alone:
+    there its H can be smaller than the model's.)"""
     o = _coerced("cp-diloco", o)
     if o.get("sync_every", 16) != "auto":
         return o
@@ -825,8 +971,15 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
         return st.g.tasks[end].end
 
     step = one_step({"sync_every": 1 << 30})
-    message = max(0.0, one_step({"sync_every": 1, "pipelined": False}) - step
-                  - 2 * prof.optimizer_s * cluster.compute_scale)
+    outer = 2 * prof.optimizer_s * cluster.compute_scale
+    if _lazy_spec(o) is None:
+        message = max(0.0, one_step({"sync_every": 1, "pipelined": False}) - step - outer)
+    else:
+        # lazy_layers: the round's own message, plus the lazy group's amortised over its tau rounds
+        tau = cp_diloco_tau(o)
+        message = max(0.0, one_step({"sync_every": 1, "pipelined": False, "lazy_every": 1 << 30}) - step - outer)
+        both = max(0.0, one_step({"sync_every": 1, "pipelined": False, "lazy_every": 1}) - step - outer)
+        message += max(0.0, both - message) / float(tau)
     rule = SyncFitController(lo, hi, share=fit_share(bool(o.get("pipelined", True)), o.get("apply_after")))
     need = rule.steps_needed(message, step) or 1
     out = {**o, "sync_every": rule.decide(lo, message, step)}
@@ -836,9 +989,22 @@ def _cp_diloco_fit(prof: Profile, cluster: Cluster, o: dict) -> dict:
 
 
 def _cp_diloco_cycle(o: dict) -> float:
-    """cp-diloco's pattern: one round, or k rounds with the burst correction."""
+    """cp-diloco's pattern: one round, k rounds with the burst correction, or with
+    ``lazy_layers`` the rounds in which the lazy group's syncs repeat (tau's numerator: tau
+    rounds for an integer tau, 5 for a mean tau of 2.5)."""
     H, k = float(_cp_diloco_h(_coerced("cp-diloco", o))), o["correction_every"]
-    return H * k if o["correction"] == "burst" and k is not None else H
+    if o["correction"] == "burst" and k is not None:
+        return H * k
+    return H * cp_diloco_tau(o).numerator if _lazy_spec(o) is not None else H
+
+
+def _cp_diloco_lead(o: dict) -> float:
+    """cp-diloco's lead-in: six of its cycles without the lazy group (its pipeline fills over
+    rounds), and with ``lazy_layers`` one whole cycle of the lazy group's tau rounds beyond them
+    (not six: at H = 64 and tau = 16 that would be 6144 steps)."""
+    cycle = _cp_diloco_cycle(o)
+    base = _cp_diloco_cycle({**o, "lazy_layers": None})
+    return 6 * base + (cycle if cycle != base else 0.0)
 
 
 def fragment_groups(prof: Profile, count: int) -> list[list[int]]:
@@ -900,6 +1066,8 @@ class AlgorithmModel:
     #: whole cycles of the default lead-in (a pipeline one cycle deep fills its backlog over
     #: several of its cycles when its message only just fits behind one)
     lead_cycles: int = 1
+    #: steps of the default lead-in where it is not whole cycles (None: ``lead_cycles`` cycles)
+    lead: Optional[Callable[[dict], float]] = None
 
 
 def _one(_o: dict) -> float:
@@ -931,9 +1099,11 @@ MODELS: dict[str, AlgorithmModel] = {
     "cpsgd": AlgorithmModel(_cpsgd, _cpsgd_cycle, "depth-1 pipeline, burst or spread "
                             "correction; local update cost as a multiple of the optimizer step"),
     "cp-diloco": AlgorithmModel(_cp_diloco, _cp_diloco_cycle,
-                                "local steps; one message per round (compressed, spread share and 1-D "
-                                "parameters fp32 inside; burst rounds fp32) on the background thread, waited "
-                                "for one round later (pipelined) or at once", lead_cycles=6),
+                                "local steps; one message per round (compressed, spread share, 1-D "
+                                "parameters and sparse_rows' packed row flags fp32 inside; burst rounds fp32) "
+                                "on the background thread, waited for one round later (pipelined) or at once; "
+                                "lazy_layers' own message behind it every tau rounds (tau given, or a mean for "
+                                "'auto')", lead_cycles=6, lead=_cp_diloco_lead),
     "lazy": AlgorithmModel(_lazy, lambda o: float(o.get("tau", DEFAULT_TAU)),
                            "regular buckets overlapped; lazy fused all-reduce every tau steps (tau given)"),
     "localsgd": AlgorithmModel(lambda st, o, s: _periodic_average(st, o, s, "period", False, "localsgd"),
@@ -986,18 +1156,27 @@ def _period(algorithm: str, knobs: dict[str, Any]) -> int:
     return max(1, int(math.ceil(MODELS[algorithm].cycle(knobs))))
 
 
+def resolved_options(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster
+                     ) -> dict[str, Any]:
+    """Every knob of ``algorithm`` as :func:`estimate` models it on ``cluster``: ``options``
+    over the registry's defaults, with cp-diloco's ``sync_every="auto"`` (and ``apply_after``)
+    resolved as its rule would decide them (:func:`_cp_diloco_fit`)."""
+    o = _knobs(algorithm, options)
+    return _cp_diloco_fit(prof, cluster, o) if algorithm == "cp-diloco" else o
+
+
 def estimate(prof: Profile, algorithm: str, options: Optional[dict[str, Any]], cluster: Cluster,
              cycles: int = 2, max_steps: int = 400, lead_in: Optional[int] = None) -> StepEstimate:
     """Steady-state mean step time of ``algorithm`` on ``cluster``: simulate a lead-in of
-    ``lead_in`` steps (default: :data:`LEAD_IN_STEPS`, at least ``lead_cycles`` whole cycles), then
+    ``lead_in`` steps (default: :data:`LEAD_IN_STEPS`, at least ``lead_cycles`` whole cycles or
+    the model's own ``lead``), then
     ``cycles`` whole cycles (at least 4 steps), and average the steps after the lead-in. Knobs
     not in ``options`` take the registry algorithm's defaults."""
-    o = _knobs(algorithm, options)
-    if algorithm == "cp-diloco":
-        o = _cp_diloco_fit(prof, cluster, o)
+    o = resolved_options(prof, algorithm, options, cluster)
     cycle = _period(algorithm, o)
     m = MODELS[algorithm]
-    lead = max(LEAD_IN_STEPS, cycle * m.lead_cycles) if lead_in is None else max(1, int(lead_in))
+    default = cycle * m.lead_cycles if m.lead is None else int(math.ceil(m.lead(o)))
+    lead = max(LEAD_IN_STEPS, default) if lead_in is None else max(1, int(lead_in))
     measured = max(cycle * cycles, 4)
     if lead + measured > max_steps:          # a long period: fewer, but whole, cycles
         measured = max(cycle, (max_steps - lead) // cycle * cycle)

@@ -4,7 +4,11 @@ A profile is a small JSON document (``FORMAT``):
 
 * ``params``: every trainable parameter in **registration order** (the order lowband's
   algorithms index them and ``plan_buckets`` buckets them): name, owning module, shape,
-  element size, whether the module is a normalisation layer;
+  element size, whether the module is a normalisation layer, whether it is an embedding table
+  ``cp-diloco``'s ``sparse_rows`` averages by rows (``table``: an ``nn.Embedding``/
+  ``nn.EmbeddingBag`` weight no other module holds) and, for a weight several modules hold
+  directly (tied), all of them (``owners``); the last two are absent from older profiles
+  (no tables, no ties);
 * ``ready_order``: parameter indices in the order their gradients became ready in backward,
   and ``backward_s``: for each entry of ``ready_order``, the backward time from the previous
   ready gradient (the first: from the start of backward) to this one; ``backward_tail_s`` is
@@ -67,6 +71,19 @@ class ParamInfo:
     shape: list[int]
     element_size: int = 4
     norm: bool = False
+    #: an embedding table whose rows ``cp-diloco``'s ``sparse_rows`` averages over their
+    #: trainers (:func:`lowband.algorithms.sparse_rows.row_tables`): its ``shape[0]`` rows'
+    #: flags travel packed in the message that carries it
+    table: bool = False
+    #: every module that holds the parameter directly, in the model's module order, where
+    #: more than one does (a tied weight); empty: ``module`` alone. What a ``lazy_layers``
+    #: spec of module names must cover to select it (:func:`lowband.perf.model.lazy_selection`)
+    owners: list[str] = field(default_factory=list)
+
+    @property
+    def holders(self) -> list[str]:
+        """The modules that hold the parameter directly."""
+        return list(self.owners) or [self.module]
 
     @property
     def numel(self) -> int:
@@ -228,6 +245,11 @@ class Profile:
             if not all(isinstance(x, list) and set(x) <= names for x in lists):
                 raise ProfileError(f"{where}: lazy_default must be {{\"parameters\": [...], \"probe\": [...]}} "
                                    f"naming parameters of the profile")
+        for p in self.params:
+            if p.table and len(p.shape) != 2:
+                raise ProfileError(f"{where}: parameter {p.name!r} is marked an embedding table but is not 2-D")
+            if p.owners and p.module not in p.owners:
+                raise ProfileError(f"{where}: parameter {p.name!r}'s owners must include its module {p.module!r}")
         for name, c in self.codecs.items():
             if not (c.encode_gbps > 0 and c.decode_gbps > 0):
                 raise ProfileError(f"{where}: codec {name!r} needs positive encode_gbps and decode_gbps")
@@ -266,7 +288,7 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     worker, with the optimizer lowband's runs use (SGD with momentum and weight decay), and the
     lazy update's default lazy set (from the order in which modules first run in forward)."""
     import torch
-    from ..algorithms.lazy import NORM_LAYERS, ForwardOrder, LazyPlan, input_side_layers
+    from ..algorithms.lazy import ForwardOrder, LazyPlan, input_side_layers
     from ..app import tasks
     from ..app.models import make_model
 
@@ -275,12 +297,7 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     model = make_model(model_name)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    owner = {}
-    for mname, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            owner[id(p)] = (mname, isinstance(module, NORM_LAYERS))
-    params = [ParamInfo(name=n, module=owner[id(p)][0], shape=list(p.shape), element_size=p.element_size(),
-                        norm=owner[id(p)][1]) for n, p in named]
+    params = param_infos(model)
     stamps: list[float] = [0.0] * len(named)
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
              for i, (_, p) in enumerate(named)]
@@ -320,6 +337,29 @@ def measure_compute(model_name: str, batch_size: int, reps: int = 20, warmup: in
     return {"params": params, "ready_order": order, "backward_s": backward_s, "lazy_default": lazy_default,
             "backward_tail_s": max(0.0, _median(bwd_end) - prev), "forward_s": _median(fwd),
             "optimizer_s": _median(opt_t), "buffer_bytes": int(buffers), "fused_update_s": fused_s}
+
+
+def param_infos(model) -> list[ParamInfo]:
+    """The profile's entries of ``model``'s trainable parameters, in registration order: the
+    module that holds each (the last one in module order where several do, and then all of
+    them as ``owners``), whether that module is a normalisation layer, and whether the
+    parameter is an embedding table ``sparse_rows`` averages by rows (the algorithm's own
+    rule, :func:`lowband.algorithms.sparse_rows.row_tables`)."""
+    from ..algorithms.lazy import NORM_LAYERS
+    from ..algorithms.sparse_rows import row_tables
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    holders: dict[int, list[tuple[str, bool]]] = {}
+    for mname, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append((mname, isinstance(module, NORM_LAYERS)))
+    tables = set(row_tables(model, [p for _, p in named], list(range(len(named)))))
+    out = []
+    for i, (n, p) in enumerate(named):
+        held = holders[id(p)]
+        out.append(ParamInfo(name=n, module=held[-1][0], shape=list(p.shape), element_size=p.element_size(),
+                             norm=held[-1][1], table=i in tables,
+                             owners=[m for m, _ in held] if len(held) > 1 else []))
+    return out
 
 
 def example_batch(model_name: str, model, batch_size: int):
