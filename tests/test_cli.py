@@ -158,3 +158,17 @@ def test_burst_reaches_every_emulated_run(command, monkeypatch, tmp_path):
         with pytest.raises(SystemExit):
             cli.main([command, "--bandwidth", "8mbit", "--burst", burst, "--max-steps", "1", *out])
     assert seen == [(8_000_000, 8192), (8_000_000, None)]
+
+
+def test_bench_takes_each_algorithms_codec_options(tmp_path, capsys):
+    """``--algorithms NAME:compressor_options.KEY=VALUE`` sets one codec option of that entry
+    (over ``--compressor-option``'s); another dotted key, or an option the codec does not
+    have, is one usage line before anything runs."""
+    opts = {"compressor_options": {"relative": 1.0}}
+    cli._update_options(opts, ["compressor=topk", "compressor_options.ratio=0.01", "sync_every=4"])
+    assert opts == {"compressor": "topk", "compressor_options": {"relative": 1.0, "ratio": 0.01}, "sync_every": 4}
+    for spec, expected in (("cp-diloco:sync.every=2", "only compressor_options.KEY=VALUE takes a dotted key"),
+                           ("cp-diloco:compressor=topk:compressor_options.bits=2", "unknown option(s) ['bits']")):
+        rc = cli.main(["bench", "--algorithms", f"noop,{spec}", "--max-steps", "1", "--out", str(tmp_path / "b")])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and expected in err, err

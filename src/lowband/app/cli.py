@@ -52,6 +52,21 @@ def _parse_option(text: str) -> tuple[str, Any]:
     return key.strip().replace("-", "_"), value
 
 
+def _update_options(options: dict[str, Any], texts: list[str]) -> None:
+    """An algorithm's own ``KEY=VALUE`` options (``--algorithms NAME:KEY=VALUE``) over
+    ``options``; ``compressor_options.KEY=VALUE`` sets one codec option, over the
+    ``--compressor-option`` ones."""
+    for text in texts:
+        key, value = _parse_option(text)
+        head, dot, sub = key.partition(".")
+        if not dot:
+            options[key] = value
+        elif head == "compressor_options" and sub:
+            options["compressor_options"] = {**options.get("compressor_options", {}), sub: value}
+        else:
+            raise UsageError(f"--algorithms: {text!r}: only compressor_options.KEY=VALUE takes a dotted key")
+
+
 def _by_task(key: str) -> str:
     """The --help text of a default that depends on the model: "default: 64; gpt: 8"."""
     image, text = TASK_DEFAULTS["classification"][key], TASK_DEFAULTS["lm"][key]
@@ -289,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "others still run; the exit status is then the first failure's.")
     b.add_argument("--algorithms", default="noop,ssgd",
                    help="comma-separated algorithm names, each optionally with its own options as "
-                        "NAME:KEY=VALUE[:KEY=VALUE] (default: %(default)s)")
+                        "NAME:KEY=VALUE[:KEY=VALUE], a codec option as compressor_options.KEY=VALUE "
+                        "(default: %(default)s)")
     b.add_argument("--bandwidth", default="none", help="comma-separated link rates, e.g. none,1gbit,200mbit (default: %(default)s)")
     add_link_arguments(b)
     b.add_argument("--workers", default="2", help="comma-separated worker counts (default: %(default)s)")
@@ -498,7 +514,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                            + (f"-r{r + 1}" if args.repeat > 1 else ""))
                     cfg = config_from_args(args, name, w, run_dir)
                     if own:
-                        cfg.algorithm_options.update(dict(_parse_option(o) for o in own))
+                        _update_options(cfg.algorithm_options, own)
                         check_config(cfg)
                     configs.append((r, label, rate, cfg, spec, (li, wi, ai)))
     # round-robin, every configuration once per round; within a round each link and worker
