@@ -11,7 +11,7 @@ import ast
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .model import MODEL_OPTIONS, MODELS, Cluster, StepEstimate, estimate
+from .model import MODEL_OPTIONS, MODELS, Cluster, StepEstimate, estimate, resolved_options
 from .network import Network
 from .profile import Profile
 
@@ -22,6 +22,9 @@ class PlanRow:
     estimate: StepEstimate
     baseline_s: float
     batch_size: int
+    #: knobs the model chose for this link, as the algorithm's own rule would (cp-diloco's
+    #: ``sync_every="auto"``: "H = 5, apply_after = 1"); "" where nothing was chosen
+    chosen: str = ""
 
     @property
     def workers(self) -> int:
@@ -83,17 +86,30 @@ def run_plan(profile: Profile, algorithms: Sequence[str], workers: Sequence[int]
     for spec, name, opts in parsed:
         for n in workers:
             cl = Cluster(n, network, compute_scale, codec_shares_compute)
-            rows.append(PlanRow(spec, estimate(profile, name, opts, cl), baseline, profile.batch_size))
+            rows.append(PlanRow(spec, estimate(profile, name, opts, cl), baseline, profile.batch_size,
+                                _chosen(profile, name, opts, cl)))
     return rows
 
 
+def _chosen(profile: Profile, name: str, opts: dict[str, Any], cluster: Cluster) -> str:
+    """What the model resolved ``auto`` knobs to (cp-diloco's H and apply step)."""
+    if name != "cp-diloco" or str(opts.get("sync_every", "auto")).strip().lower() != "auto":
+        return ""
+    o = resolved_options(profile, name, opts, cluster)
+    a = o.get("apply_after")
+    return f"H = {o['sync_every']}" + ("" if a is None or not o.get("pipelined", True) else f", apply_after = {a}")
+
+
 def format_rows(rows: Sequence[PlanRow]) -> str:
-    head = "| algorithm | workers | step ms | exposed ms | samples/s | speedup | efficiency | MB sent/step |"
-    lines = [head, "|" + "---|" * 8]
+    chosen = any(r.chosen for r in rows)
+    head = "| algorithm | workers | step ms | exposed ms | samples/s | speedup | efficiency | MB sent/step |" + \
+        (" auto chose |" if chosen else "")
+    lines = [head, "|" + "---|" * (9 if chosen else 8)]
     for r in rows:
         e = r.estimate
         lines.append(f"| {r.label} | {r.workers} | {1e3 * e.step_s:.1f} | {1e3 * e.exposed_s:.1f} | "
-                     f"{r.throughput:.0f} | {r.speedup:.1f} | {r.efficiency:.1%} | {e.bytes_sent / 1e6:.3f} |")
+                     f"{r.throughput:.0f} | {r.speedup:.1f} | {r.efficiency:.1%} | {e.bytes_sent / 1e6:.3f} |"
+                     + (f" {r.chosen or '-'} |" if chosen else ""))
     return "\n".join(lines)
 
 
