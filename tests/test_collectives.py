@@ -518,3 +518,33 @@ def test_flag_bytes_native_equal_the_numpy_path(seed, monkeypatch):
     assert np.array_equal(s1.numpy().reshape(-1, lay.section)[:, lay.flag_off:lay.flag_off + S],
                           np.tile(byte, (lay.chunks, 1)))
     assert not s1.numpy().reshape(-1, lay.section)[:, lay.flag_off + S:].any()
+
+
+def _pair_gathers(rank: int, world: int) -> list:
+    """Three all_gathers of different sizes in flight at once, waited in another order,
+    then one more after them; with each rank's data on its own values."""
+    comm = Communicator()
+    sizes = (5, 117_000, 3)
+    outs, works = [], []
+    for k, n in enumerate(sizes):
+        out = torch.empty(world * n)
+        works.append(comm.all_gather(out, torch.full((n,), 10.0 * k + rank), async_op=True))
+        outs.append(out)
+    for w in (works[2], works[0], works[1]):
+        w.wait()
+    last = torch.empty(world * 4)
+    comm.all_gather(last, torch.arange(4.0) + 100 * rank)
+    return [comm._pair_gather, [o.view(world, -1).clone() for o in outs], last]
+
+
+def test_two_gloo_ranks_gather_by_a_tagged_pair_of_messages():
+    """At two gloo ranks all_gather is an isend/irecv pair (docs/netem.md): several in flight at
+    once, waited in any order, each lands in its own output; at three ranks it is gloo's own."""
+    for rank, (paired, outs, last) in enumerate(run_distributed(_pair_gathers, 2)):
+        assert paired
+        for k, out in enumerate(outs):
+            assert torch.equal(out, torch.stack([torch.full((out.shape[1],), 10.0 * k + r) for r in range(2)])), (rank, k)
+        assert torch.equal(last, torch.cat([torch.arange(4.0), torch.arange(4.0) + 100]))
+    three = run_distributed(_pair_gathers, 3)
+    assert not any(paired for paired, _, _ in three)
+    assert torch.equal(three[2][2], torch.cat([torch.arange(4.0) + 100 * r for r in range(3)]))

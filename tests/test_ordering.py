@@ -50,13 +50,14 @@ def _recorder(log: list):
 
 def _collectives(rank: int, world: int):
     wrap = _recorder(log := [])
-    saved = (dist.all_reduce, dist.all_to_all_single, dist.broadcast, communicator._all_gather_single)
+    saved = (dist.all_reduce, dist.all_to_all_single, dist.broadcast, communicator._all_gather_single, dist.isend)
     out = {}
     try:
         dist.all_reduce = wrap("all_reduce", saved[0], 0)
         dist.all_to_all_single = wrap("all_to_all", saved[1], 1)
         dist.broadcast = wrap("broadcast", saved[2], 0)
         communicator._all_gather_single = wrap("all_gather", saved[3], 1)
+        dist.isend = wrap("all_gather", saved[4], 0)      # two gloo ranks gather by a send/receive pair
         for name, options in ALGORITHMS.items():
             torch.manual_seed(0)
             model = PartlyUsed(rank)
@@ -73,7 +74,8 @@ def _collectives(rank: int, world: int):
             }
             engine.close()
     finally:
-        dist.all_reduce, dist.all_to_all_single, dist.broadcast, communicator._all_gather_single = saved
+        (dist.all_reduce, dist.all_to_all_single, dist.broadcast, communicator._all_gather_single,
+         dist.isend) = saved
     return out
 
 
