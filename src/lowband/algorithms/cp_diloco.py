@@ -120,7 +120,7 @@ from ..comm.reducer import make_reducer
 from ..runtime.device import to_device
 from .base import Algorithm, BoundAlgorithm, EngineContext, Finiteness
 from .compressed import bucket_segments, check_compression_knobs, exact_vector_segments
-from .lazy import EMBEDDING_LAYERS, interval_rule
+from .lazy import EMBEDDING_LAYERS, holders, interval_rule
 from .sparse_rows import RowCounter, row_tables
 from .warmup import Warmup, share_bounds
 
@@ -171,11 +171,8 @@ def lazy_parameters(model: torch.nn.Module, params: list, spec: str) -> list[int
             if name not in named:
                 raise ValueError(f"cp-diloco: lazy_layers names {name!r}, which is no module of the model")
             selected.update(id(m) for m in named[name].modules())
-    owners: dict[int, list[int]] = {}
-    for m in named.values():
-        for q in m.parameters(recurse=False):
-            owners.setdefault(id(q), []).append(id(m))
-    return [i for i, q in enumerate(params) if owners.get(id(q)) and all(o in selected for o in owners[id(q)])]
+    held = holders(model)
+    return [i for i, q in enumerate(params) if held.get(id(q)) and all(id(m) in selected for _, m in held[id(q)])]
 
 
 def lazy_groups(model: torch.nn.Module, params: list, spec: str, per_layer: bool) -> list[tuple[str, list[int]]]:
@@ -186,13 +183,10 @@ def lazy_groups(model: torch.nn.Module, params: list, spec: str, per_layer: bool
     lazy = lazy_parameters(model, params, spec)
     if not per_layer:
         return [("", lazy)] if lazy else []
-    owner: dict[int, str] = {}
-    for name, m in model.named_modules():
-        for q in m.parameters(recurse=False):
-            owner.setdefault(id(q), name)
+    held = holders(model)
     groups: dict[str, list[int]] = {}
     for i in lazy:
-        groups.setdefault(owner[id(params[i])], []).append(i)
+        groups.setdefault(held[id(params[i])][0][0], []).append(i)
     return list(groups.items())
 
 

@@ -102,6 +102,16 @@ def vote_update(gs: list[torch.Tensor], accs: list[torch.Tensor], tau: int) -> t
     return tau, violations
 
 
+def holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """For each parameter of ``model`` (by ``id``), the modules that hold it directly, with
+    their names, in the model's module order: more than one for a tied weight."""
+    out: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            out.setdefault(id(p), []).append((name, m))
+    return out
+
+
 def input_side_layers(model: nn.Module, order: Optional[Sequence[str]] = None) -> list[tuple[str, nn.Module]]:
     """Modules that own trainable parameters, excluding normalisation layers (always
     synchronized). With ``order`` (module names in the order they first ran in forward), those
@@ -172,11 +182,7 @@ class LazyPlan:
         count = min(wanted, max(0, len(layers) - 1))        # the output-side layer is never lazy
         chosen = {name for name, _ in layers[:count]}
         index_of = {id(p): i for i, p in enumerate(params)}
-        owners: dict[int, set[str]] = {}
-        for name, m in model.named_modules():
-            for p in m.parameters(recurse=False):
-                if id(p) in index_of:
-                    owners.setdefault(index_of[id(p)], set()).add(name)
+        owners = {index_of[k]: {name for name, _ in held} for k, held in holders(model).items() if k in index_of}
         names, slices, indices, shared, uses = [], [], [], [], []
         for name, m in layers[:count]:
             own = list(dict.fromkeys(index_of[id(p)] for p in m.parameters(recurse=False) if id(p) in index_of))

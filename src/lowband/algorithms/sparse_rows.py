@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from .lazy import EMBEDDING_LAYERS
+from .lazy import EMBEDDING_LAYERS, holders
 
 #: a packed value of b-bit fields stays below 2**(PACKED_BITS - b): its mean over N ranks
 #: times N rounds back to the sum exactly
@@ -39,12 +39,9 @@ def row_tables(model: torch.nn.Module, params: list, indices: list[int]) -> list
     (``nn.Embedding``/``nn.EmbeddingBag``) held by no other module: a table tied to an output
     head gets a gradient in every row at every step, so averaging over its trainers is the
     plain mean."""
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for m in model.modules():
-        for q in m.parameters(recurse=False):
-            owners.setdefault(id(q), []).append(m)
-    return [i for i in indices if params[i].dim() == 2 and owners.get(id(params[i]))
-            and all(isinstance(m, EMBEDDING_LAYERS) for m in owners[id(params[i])])]
+    held = holders(model)
+    return [i for i in indices if params[i].dim() == 2 and held.get(id(params[i]))
+            and all(isinstance(m, EMBEDDING_LAYERS) for _, m in held[id(params[i])])]
 
 
 def field_bits(world: int) -> int:

@@ -345,19 +345,16 @@ def param_infos(model) -> list[ParamInfo]:
     them as ``owners``), whether that module is a normalisation layer, and whether the
     parameter is an embedding table ``sparse_rows`` averages by rows (the algorithm's own
     rule, :func:`lowband.algorithms.sparse_rows.row_tables`)."""
-    from ..algorithms.lazy import NORM_LAYERS
+    from ..algorithms.lazy import NORM_LAYERS, holders
     from ..algorithms.sparse_rows import row_tables
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    holders: dict[int, list[tuple[str, bool]]] = {}
-    for mname, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), []).append((mname, isinstance(module, NORM_LAYERS)))
+    held_by = holders(model)
     tables = set(row_tables(model, [p for _, p in named], list(range(len(named)))))
     out = []
     for i, (n, p) in enumerate(named):
-        held = holders[id(p)]
+        held = held_by[id(p)]
         out.append(ParamInfo(name=n, module=held[-1][0], shape=list(p.shape), element_size=p.element_size(),
-                             norm=held[-1][1], table=i in tables,
+                             norm=isinstance(held[-1][1], NORM_LAYERS), table=i in tables,
                              owners=[m for m, _ in held] if len(held) > 1 else []))
     return out
 
