@@ -386,13 +386,14 @@ def test_plan_says_what_cp_diloco_auto_chose(capsys):
     to on each link, as :func:`resolved_options` does; a fixed H chooses nothing; a table
     without such a row has no column for it."""
     from lowband.app.cli import main
+    from lowband.netem import parse_rate
     from lowband.perf.model import resolved_options
     prof = load_profile("cnn-2core")
     for rate in ("20mbit", "1gbit"):
         assert main(["plan", "--profile", "cnn-2core", "--workers", "2", "--bandwidth", rate,
                      "--algorithms", "cp-diloco,cp-diloco:sync_every=8"]) == 0
         text = capsys.readouterr().out
-        o = resolved_options(prof, "cp-diloco", {}, Cluster(2, Network(float(rate[:-4]) * (1e6 if "m" in rate else 1e9))))
+        o = resolved_options(prof, "cp-diloco", {}, Cluster(2, Network(parse_rate(rate))))
         row = next(line for line in text.splitlines() if line.startswith("| cp-diloco | 2 |"))
         assert row.endswith(f" H = {o['sync_every']}, apply_after = {o['apply_after']} |"), (row, o)
         assert next(line for line in text.splitlines() if line.startswith("| cp-diloco:sync_every=8 |")).endswith(" - |")

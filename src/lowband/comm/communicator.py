@@ -194,11 +194,11 @@ class Communicator:
         return self._finish(work, async_op, tensor.device)
 
     def _exchange(self, output: torch.Tensor, tensor: torch.Tensor) -> "_Works":
-        """Two gloo ranks' all_gather as one isend and one irecv. Over a paced link gloo's
-        all_gather of 117 KB took 73 ms a call when the two ranks came to it from their own
-        compute, where the pair took 52 ms (47 ms on the wire; docs/netem.md); started together
-        after a barrier both took 51-54 ms. Each call's messages carry their own tag (a count
-        every rank keeps alike, as collectives are called in the same order everywhere)."""
+        """Two gloo ranks' all_gather as one isend and one irecv. Over a paced 20 Mbit/s link
+        gloo's all_gather of 117 KB took 73 ms a call when the two ranks came to it from their
+        own compute, the pair 52 ms (47 ms on the wire; benchmarks/gather_pair.py,
+        docs/netem.md). Each call's messages carry their own tag (a count every rank keeps
+        alike, as collectives are called in the same order everywhere)."""
         chunks = output.view(2, -1)
         chunks[self.rank].copy_(tensor.view(-1))
         peer, tag = 1 - self.rank, self._gathers % (1 << 24)
