@@ -4,6 +4,7 @@ its invariants, checkpoint/resume and training."""
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from typing import Optional
@@ -44,13 +45,17 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     ``lazy_per_layer`` one group per module, each with its own tau) as a
     parameter of torch's own SGD (Nesterov) outer optimizer, per-worker error feedback through
     the codec's public compress/decompress, and the average as the mean of the decoded
-    payloads. ``clip``: each step's gradient clipped to that total norm by torch (the average
+    payloads, each inner step at ``inner_lr_scale`` times the rate (sqrt(world) for Adam and
+    AdamW under ``"auto"``; AdamW's weight decay at its unscaled rate). ``clip``: each step's gradient clipped to that total norm by torch (the average
     in a warm-up step, each worker's own in an inner step). ``model="embed"``: with
     ``sparse_rows`` each row of its embedding table is averaged over the workers whose
     gradient of the row was non-zero in an inner step since the table's message was last
     sent. Returns each worker's parameters and residuals (by parameter name)."""
     cfg = make_algorithm("cp-diloco", **opts)
     H, warmup, k = cfg.sync_every, cfg.warmup_steps, cfg.correction_every
+    scale = cfg.inner_lr_scale
+    if scale == "auto":
+        scale = math.sqrt(world) if kind in ("adam", "adamw") else 1.0
     torch.manual_seed(0)
     init = MODELS[model]()
     workers = [copy.deepcopy(init) for _ in range(world)]
@@ -189,7 +194,15 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
             if table is not None:
                 grad = list(m.parameters())[table].grad
                 trained[i] |= grad.ne(0).any(dim=1)
+            # the inner step at scale times the rate; AdamW's decay at its own rate per step
+            saved = [dict(g) for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * scale
+                if isinstance(opt, torch.optim.AdamW):
+                    g["weight_decay"] = g["weight_decay"] / scale
             opt.step()
+            for g, own in zip(opt.param_groups, saved):
+                g.update(lr=own["lr"], weight_decay=own["weight_decay"])
         if (t - warmup + 1) % H:
             a = cfg.apply_after
             if cfg.pipelined and pending and a is not None and (t - warmup) % H + 1 == a:
@@ -273,10 +286,11 @@ def _max_err(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 def test_uncompressed_unpipelined_equals_diloco(kind):
     """No compression, an exact round every round, no pipeline, after a 2-step synchronous
-    warm-up: DiLoCo (mean of the outer gradients, Nesterov outer step) over 3 rounds."""
+    warm-up: DiLoCo (mean of the outer gradients, Nesterov outer step) over 3 rounds, its
+    Adam and AdamW inner steps at sqrt(2) times the rate (``inner_lr_scale="auto"``)."""
     opts = dict(sync_every=4, compressor="none", correction="burst", correction_every=1, pipelined=False,
                 warmup_steps=2, outer_lr=0.7, outer_momentum=0.9)
     steps = 2 + 3 * 4
@@ -287,6 +301,9 @@ def test_uncompressed_unpipelined_equals_diloco(kind):
     # the outer optimizer matters: plain model averaging ends elsewhere
     averaged, _ = simulate(steps, {**opts, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}, kind)
     assert _max_err(want[0], averaged[0]) > 1e-4
+    # and so does the inner rate's scale, for Adam and AdamW only
+    unscaled, _ = simulate(steps, {**opts, "inner_lr_scale": 1.0}, kind)
+    assert (_max_err(want[0], unscaled[0]) > 1e-4) == (kind != "sgd")
 
 
 @pytest.mark.parametrize("opts", [
@@ -694,11 +711,16 @@ def test_options_and_registry():
                        ({"lazy_layers": "tok", "max_lazy_every": 0}, "max_lazy_every"),
                        ({"lazy_layers": " , "}, "lazy_layers must be"),
                        ({"lazy_layers": "tok", "correction": "burst"}, "not with the burst correction"),
-                       ({"lazy_per_layer": 2}, "lazy_per_layer. must be true or false")]:
+                       ({"lazy_per_layer": 2}, "lazy_per_layer. must be true or false"),
+                       ({"inner_lr_scale": 0}, "inner_lr_scale must be a number > 0 or 'auto'"),
+                       ({"inner_lr_scale": "fast"}, "inner_lr_scale must be"),
+                       ({"inner_lr_scale": float("nan")}, "inner_lr_scale")]:
         with pytest.raises(ValueError, match=words):
             make_algorithm("cp-diloco", **bad)
     assert make_algorithm("cp-diloco", lazy_layers="none").lazy_layers is None
     assert make_algorithm("cp-diloco", lazy_layers="ngrams", lazy_every="4").lazy_every == 4
+    assert make_algorithm("cp-diloco", inner_lr_scale="1.5").inner_lr_scale == 1.5
+    assert make_algorithm("cp-diloco", inner_lr_scale=" AUTO").inner_lr_scale == "auto"
 
 
 def test_lazy_parameters_select_untied_tables_and_named_modules():

@@ -80,6 +80,8 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     if kind == "sgd-hot":            # large steps: layers whose progress disagrees between rounds
         return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     return torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-3)
 
 
