@@ -7,7 +7,9 @@ SGD resumes with residuals from the background queue, CP-SGD with a step in flig
 in-flight average, residuals, the correction schedule)."""
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import os
 
@@ -56,6 +58,18 @@ def final_states(run_dir: str) -> list[dict]:
 TRAJECTORY = ("model", "optimizer", "scheduler", "engine", "rng", "epoch", "step_in_epoch")
 
 
+def train_here(args: list[str]) -> tuple[int, str]:
+    """``lowband train`` run by this process (``cli.main``, which the command runs): the same
+    launcher and worker processes, without the command's own interpreter start-up (torch and
+    lowband imported once more, seconds of CPU on a loaded 2-core machine). Its exit status and
+    what it wrote to stderr; the workers write to this process's descriptors, as to the
+    command's (pytest shows them with a failure)."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = cli_main(["train", *args])
+    return rc, err.getvalue()
+
+
 def flags(algorithm: str) -> list[str]:
     return [*FLAGS, "--algorithm", algorithm, *PAST_WARMUP.get(algorithm, [])]
 
@@ -72,14 +86,14 @@ def assert_same_trajectory(run_dir: str, reference_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, str]:
-    """One uninterrupted run per algorithm, made on first use."""
+    """One uninterrupted run per algorithm, made on first use (:func:`train_here`)."""
     runs: dict[str, str] = {}
 
     def get(algorithm: str) -> str:
         if algorithm not in runs:
             run_dir = str(tmp_path_factory.mktemp(f"reference-{algorithm}"))
-            done = train([*flags(algorithm), "--run-dir", run_dir])
-            assert done.returncode == 0, done.stderr
+            rc, err = train_here([*flags(algorithm), "--run-dir", run_dir])
+            assert rc == 0, err
             runs[algorithm] = run_dir
         return runs[algorithm]
     return get
@@ -88,7 +102,9 @@ def reference(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("algorithm", CRASH_ALGORITHMS)
 def test_crash_mid_checkpoint_then_resume_equals_uninterrupted_run(tmp_path, reference, algorithm):
     """Rank 1 is SIGKILLed halfway through writing its checkpoint of step STOP_AT: the
-    previous checkpoint survives, and resuming from it reproduces the uninterrupted run."""
+    previous checkpoint survives, and resuming from it reproduces the uninterrupted run. The
+    crash goes through the command (its exit status and message); the reference and the resume
+    run in this process (:func:`train_here`), the same launcher and workers."""
     run_dir = str(tmp_path / "run")
     crashed = train([*flags(algorithm), "--run-dir", run_dir],
                     LOWBAND_FAULT=f"checkpoint-write@{STOP_AT}", LOWBAND_FAULT_RANK="1")
@@ -111,8 +127,8 @@ def test_crash_mid_checkpoint_then_resume_equals_uninterrupted_run(tmp_path, ref
         assert algo_state["pipelining"] and "in_flight" in algo_state and "global_weights" in algo_state
     elif algorithm == "compressed":
         assert algo_state["steps_done"] == STOP_AT - EVERY > WARMUP
-    resumed = train([*flags(algorithm), "--resume", run_dir])
-    assert resumed.returncode == 0, resumed.stderr
+    rc, err = train_here([*flags(algorithm), "--resume", run_dir])
+    assert rc == 0, err
     assert_same_trajectory(run_dir, reference(algorithm))
     if algorithm == "cpsgd":     # the correction schedule continued where it stopped: 0, 1, 2, 0, ...
         phases = [r["correction_phase"] for r in read_jsonl(os.path.join(run_dir, "steps.jsonl"))]
