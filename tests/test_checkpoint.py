@@ -169,6 +169,25 @@ def test_options_naming_removed_knobs_resume_at_the_behaviour_the_code_now_has()
         checkpoint.check_resumable({"world_size": 2, "config": saved}, config, 2)
 
 
+def test_options_naming_an_added_knob_at_its_earlier_value_continue_an_earlier_run():
+    """A cp-diloco run from before ``inner_lr_scale`` (its steps at the optimizer's rate) is
+    continued with ``--option inner_lr_scale=1``: the options compare as the same run (each
+    rank's engine state, which holds the whole configuration, has the last word); another
+    value is a different run."""
+    config = {**TrainConfig(algorithm="cp-diloco").__dict__}
+    old = {"world_size": 2, "config": {**config, "algorithm_options": {}}}
+    for value in (1, 1.0, "1", "1.0"):
+        checkpoint.check_resumable(old, {**config, "algorithm_options": {"inner_lr_scale": value}}, 2)
+    checkpoint.check_resumable(old, {**config, "algorithm_options": {}}, 2)
+    for value in (1.5, "auto", True):
+        with pytest.raises(checkpoint.CheckpointError, match="algorithm_options"):
+            checkpoint.check_resumable(old, {**config, "algorithm_options": {"inner_lr_scale": value}}, 2)
+    # a knob the run did set keeps its value
+    set_then = {"world_size": 2, "config": {**config, "algorithm_options": {"inner_lr_scale": 2.0}}}
+    with pytest.raises(checkpoint.CheckpointError, match="algorithm_options"):
+        checkpoint.check_resumable(set_then, {**config, "algorithm_options": {"inner_lr_scale": 1}}, 2)
+
+
 def test_resume_without_checkpoint_is_a_usage_error(tmp_path, capsys):
     assert cli_main(["train", *FLAGS, "--resume", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -171,3 +171,32 @@ def test_a_checkpoint_listing_removed_knobs_resumes_at_the_behaviour_they_chose(
             assert message.startswith(f"the checkpoint was written with {algorithm}'s {knob}={other!r}, a knob this "
                                       "version of lowband no longer has"), message
             assert f"it always runs as {knob}={now!r}" in message and "\n" not in message, message
+
+
+def _without_added_knob(rank: int, world: int) -> dict:
+    """A cp-diloco engine state as a version before ``inner_lr_scale`` wrote it (the knob
+    absent from its configuration), loaded by engines at scale 1 and at the default."""
+    out = {}
+    for options in ({"inner_lr_scale": 1.0}, {}):
+        model, opt = _workload("ngram", rank, world)[0]()
+        engine = lowband.distribute(model, opt, "cp-diloco", **options)
+        state = engine.state_dict()
+        del state["algorithm_config"]["inner_lr_scale"]
+        try:
+            engine.load_state_dict(state)
+            out[options.get("inner_lr_scale", "auto")] = "resumed"
+        except ValueError as e:
+            out[options.get("inner_lr_scale", "auto")] = str(e)
+        finally:
+            engine.close()
+    return out
+
+
+def test_a_checkpoint_from_before_an_added_knob_resumes_at_the_value_it_ran_with():
+    """cp-diloco's checkpoints from before ``inner_lr_scale`` ran their Adam steps at the
+    optimizer's own rate: an engine at ``inner_lr_scale=1`` continues them; one at the default
+    (sqrt(2) for AdamW at 2 ranks) is refused with one line naming the knob."""
+    for per_rank in run_distributed(_without_added_knob, 2):
+        assert per_rank[1.0] == "resumed"
+        assert per_rank["auto"] == ("the checkpoint was written by cp-diloco with inner_lr_scale=1.0 (this engine: "
+                                    "'auto'); resume with the knobs that wrote it"), per_rank["auto"]

@@ -210,11 +210,23 @@ class Algorithm(ABC):
     #: saved with another value describes a run this version does not continue
     #: (:meth:`current_config`)
     removed_knobs: ClassVar[Mapping[str, Any]] = {}
+    #: knobs added after checkpoints of the algorithm were first written, each with the value
+    #: whose behaviour every earlier version had: a saved configuration without one ran with
+    #: that value (:meth:`with_added_knobs`)
+    added_knobs: ClassVar[Mapping[str, Any]] = {}
 
     def config(self) -> dict[str, Any]:
         """The knobs, as plain data (logged, and compared across ranks)."""
         cfg = dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
         return {"algorithm": self.name, **{k: v for k, v in cfg.items() if not k.startswith("_")}}
+
+    @classmethod
+    def with_added_knobs(cls, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """``saved`` (this algorithm's whole ``config()`` as an earlier version wrote it) with
+        each of the :attr:`added_knobs` it lacks at the value that version ran with. Only for
+        a whole configuration: in a run's own options a missing knob meant that version's
+        default, not the value before the knob existed."""
+        return {**cls.added_knobs, **saved}
 
     @classmethod
     def current_config(cls, saved: Mapping[str, Any]) -> dict[str, Any]:

@@ -381,6 +381,9 @@ class CPDiLoCo(Algorithm):
     inner_lr_scale: Union[float, str] = "auto"
 
     name: ClassVar[str] = "cp-diloco"
+    #: checkpoints written before these knobs ran with their steps at the optimizer's own rate,
+    #: one lazy group and every row averaged over all ranks
+    added_knobs: ClassVar[dict[str, Any]] = {"inner_lr_scale": 1.0, "lazy_per_layer": False, "sparse_rows": False}
 
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective, 1.0)

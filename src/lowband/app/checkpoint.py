@@ -164,6 +164,19 @@ def read_manifest(run_dir: str) -> dict[str, Any]:
     return manifest
 
 
+def _same_value(given: Any, then: Any) -> bool:
+    """Whether an option as given (a CLI's ``"1"``, ``"false"``, or a number) holds ``then``."""
+    if isinstance(given, str):
+        text = given.strip().lower()
+        given = {"true": True, "false": False}.get(text, text)
+        if isinstance(given, str):
+            try:
+                given = float(given)
+            except ValueError:
+                return False
+    return given == then and isinstance(given, bool) == isinstance(then, bool)
+
+
 def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size: int, *,
                     torchrun: bool = False) -> None:
     """Raise CheckpointError unless a run with ``config`` on ``world_size`` ranks can continue it.
@@ -184,6 +197,16 @@ def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size
             saved["algorithm_options"] = algorithm.current_config(saved["algorithm_options"])
         except ValueError as e:
             raise CheckpointError(str(e)) from None
+    if algorithm is not None and saved.get("algorithm") == config.get("algorithm"):
+        # a knob added since (Algorithm.added_knobs), now given at the value the versions before
+        # it ran with: the same run if the checkpoint predates the knob; each rank's engine state,
+        # which holds the whole configuration, refuses it otherwise
+        options, now = dict(saved.get("algorithm_options") or {}), config.get("algorithm_options") or {}
+        for knob, then in algorithm.added_knobs.items():
+            if knob not in options and knob in now and _same_value(now[knob], then):
+                options[knob] = now[knob]
+        if options:
+            saved["algorithm_options"] = options
     config = {**ADDED_FIELDS, **config}
     differ = sorted(k for k in set(saved) | set(config)
                     if k not in RESUMABLE_CHANGES and saved.get(k) != config.get(k))

@@ -493,15 +493,24 @@ class Engine:
         """Restore a :meth:`state_dict` of an engine that ran the same algorithm configuration
         (ValueError otherwise). A checkpoint of an earlier version may still list knobs this
         version no longer has: those holding the value whose behaviour the code now always has
-        are ignored, another value is refused naming the knob (:meth:`Algorithm.current_config`)."""
+        are ignored, another value is refused naming the knob (:meth:`Algorithm.current_config`);
+        one that lacks a knob added since is read at the value that version ran with
+        (:attr:`Algorithm.added_knobs`)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"engine state version {state.get('version')!r} is not {STATE_VERSION}")
         saved, config = state["algorithm_config"], self.algorithm.config()
-        if saved.get("algorithm") == config["algorithm"]:
-            # knobs an earlier version had: dropped where they hold what this version always does
-            saved = type(self.algorithm).current_config(saved)
+        name = config["algorithm"]
+        if saved.get("algorithm") != name:
+            raise ValueError(f"the checkpoint was written by algorithm {saved.get('algorithm')!r}, but this engine "
+                             f"runs {name!r}")
+        # knobs an earlier version had: dropped where they hold what this version always does;
+        # knobs it did not have yet: the value it ran with
+        saved = type(self.algorithm).with_added_knobs(type(self.algorithm).current_config(saved))
         if saved != config:
-            raise ValueError(f"checkpoint was written by {saved}, but this engine runs {config}")
+            differ = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
+            detail = ", ".join(f"{k}={saved.get(k)!r} (this engine: {config.get(k)!r})" for k in differ)
+            raise ValueError(f"the checkpoint was written by {name} with {detail}; resume with the knobs that "
+                             f"wrote it")
         # the step counter (states saved without it hold the same count in their statistics)
         self.ctx.steps = int(state.get("steps", state["stats"]["steps"]))
         self.bound.load_state_dict(state["algorithm"])
