@@ -229,6 +229,23 @@ class Algorithm(ABC):
         return {**cls.added_knobs, **saved}
 
     @classmethod
+    def options_from_before(cls, saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, Any]:
+        """A run's own options as an earlier version saved them (``saved``), with each of the
+        :attr:`added_knobs` that ``now`` (the options of the run that continues it) gives at
+        the value the versions before the knob ran with: the same run if the checkpoint
+        predates the knob (its engine state, which holds the whole configuration, decides)."""
+        options = dict(saved)
+        for knob, then in cls.added_knobs.items():
+            if knob in now and knob not in options:
+                try:
+                    same = _coerce(type(then), now[knob], f"option {knob!r}") == then
+                except OptionError:
+                    same = False
+                if same:
+                    options[knob] = now[knob]
+        return options
+
+    @classmethod
     def current_config(cls, saved: Mapping[str, Any]) -> dict[str, Any]:
         """``saved`` (this algorithm's knobs as an earlier version wrote them: a checkpoint's
         ``config()``, a run's options) without the :attr:`removed_knobs` that hold the value

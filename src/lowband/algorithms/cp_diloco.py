@@ -239,6 +239,20 @@ class SyncFitController:
         return H
 
 
+def _auto_or(value: Any, kind: type) -> Any:
+    """A knob that takes ``"auto"`` or a number: a string read as ``"auto"`` (any case) or as
+    ``kind``; anything else, or a string that is neither, as it is (for the caller's check)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return kind(text)
+    except ValueError:
+        return value
+
+
 @dataclass
 class CPDiLoCo(Algorithm):
     """Knobs (the algorithm: module docstring; measurements behind the defaults: docs/cp-diloco.md):
@@ -387,14 +401,7 @@ class CPDiLoCo(Algorithm):
 
     def __post_init__(self) -> None:
         check_compression_knobs(self.name, self.compressor, self.compressor_options, self.collective, 1.0)
-        H = self.sync_every
-        if isinstance(H, str) and H.strip().lower() != "auto":
-            try:
-                self.sync_every = H = int(H.strip())
-            except ValueError:
-                pass
-        elif isinstance(H, str):
-            self.sync_every = H = "auto"
+        self.sync_every = H = _auto_or(self.sync_every, int)
         if H != "auto" and (isinstance(H, bool) or not isinstance(H, int) or H < 1):
             raise ValueError(f"{self.name}: sync_every must be an integer >= 1 or 'auto', got {H!r}")
         for knob, low in (("min_sync_every", 1), ("max_sync_every", 1), ("warmup_steps", 0)):
@@ -424,12 +431,7 @@ class CPDiLoCo(Algorithm):
         mu = self.outer_momentum
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 <= mu < 1.0:
             raise ValueError(f"{self.name}: outer_momentum must be in [0, 1), got {mu!r}")
-        tau = self.lazy_every
-        if isinstance(tau, str):
-            try:
-                self.lazy_every = tau = "auto" if tau.strip().lower() == "auto" else int(tau.strip())
-            except ValueError:
-                pass
+        self.lazy_every = tau = _auto_or(self.lazy_every, int)
         if tau != "auto" and (isinstance(tau, bool) or not isinstance(tau, int) or tau < 1):
             raise ValueError(f"{self.name}: lazy_every must be an integer >= 1 or 'auto', got {tau!r}")
         m = self.max_lazy_every
@@ -445,12 +447,7 @@ class CPDiLoCo(Algorithm):
             elif self.correction == "burst" and k is not None:
                 raise ValueError(f"{self.name}: lazy_layers works with correction='spread' or correction_every=None, "
                                  f"not with the burst correction")
-        scale = self.inner_lr_scale
-        if isinstance(scale, str):
-            try:
-                self.inner_lr_scale = scale = "auto" if scale.strip().lower() == "auto" else float(scale.strip())
-            except ValueError:
-                pass
+        self.inner_lr_scale = scale = _auto_or(self.inner_lr_scale, float)
         if scale != "auto" and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                 or not math.isfinite(scale) or not scale > 0):
             raise ValueError(f"{self.name}: inner_lr_scale must be a number > 0 or 'auto', got {scale!r}")

@@ -164,19 +164,6 @@ def read_manifest(run_dir: str) -> dict[str, Any]:
     return manifest
 
 
-def _same_value(given: Any, then: Any) -> bool:
-    """Whether an option as given (a CLI's ``"1"``, ``"false"``, or a number) holds ``then``."""
-    if isinstance(given, str):
-        text = given.strip().lower()
-        given = {"true": True, "false": False}.get(text, text)
-        if isinstance(given, str):
-            try:
-                given = float(given)
-            except ValueError:
-                return False
-    return given == then and isinstance(given, bool) == isinstance(then, bool)
-
-
 def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size: int, *,
                     torchrun: bool = False) -> None:
     """Raise CheckpointError unless a run with ``config`` on ``world_size`` ranks can continue it.
@@ -198,13 +185,9 @@ def check_resumable(manifest: dict[str, Any], config: dict[str, Any], world_size
         except ValueError as e:
             raise CheckpointError(str(e)) from None
     if algorithm is not None and saved.get("algorithm") == config.get("algorithm"):
-        # a knob added since (Algorithm.added_knobs), now given at the value the versions before
-        # it ran with: the same run if the checkpoint predates the knob; each rank's engine state,
-        # which holds the whole configuration, refuses it otherwise
-        options, now = dict(saved.get("algorithm_options") or {}), config.get("algorithm_options") or {}
-        for knob, then in algorithm.added_knobs.items():
-            if knob not in options and knob in now and _same_value(now[knob], then):
-                options[knob] = now[knob]
+        # a knob added since, now given at the value the versions before it ran with
+        options = algorithm.options_from_before(saved.get("algorithm_options") or {},
+                                                config.get("algorithm_options") or {})
         if options:
             saved["algorithm_options"] = options
     config = {**ADDED_FIELDS, **config}
