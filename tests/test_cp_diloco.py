@@ -46,8 +46,9 @@ def simulate(steps: int, opts: dict, kind: str = "sgd", world: int = WORLD,
     parameter of torch's own SGD (Nesterov) outer optimizer, per-worker error feedback through
     the codec's public compress/decompress, and the average as the mean of the decoded
     payloads, each inner step at ``inner_lr_scale`` times the rate (sqrt(world) for Adam and
-    AdamW under ``"auto"``; AdamW's weight decay at its unscaled rate). ``clip``: each step's gradient clipped to that total norm by torch (the average
-    in a warm-up step, each worker's own in an inner step). ``model="embed"``: with
+    AdamW under ``"auto"``; AdamW's weight decay at its unscaled rate). ``clip``: each step's
+    gradient clipped to that total norm by torch (the average in a warm-up step, each worker's
+    own in an inner step). ``model="embed"``: with
     ``sparse_rows`` each row of its embedding table is averaged over the workers whose
     gradient of the row was non-zero in an inner step since the table's message was last
     sent. Returns each worker's parameters and residuals (by parameter name)."""

@@ -356,7 +356,7 @@ class CPDiLoCo(Algorithm):
             mean of N such steps moves like ``ssgd`` at ``lr / sqrt(N)``. AdamW's decoupled
             weight decay keeps its rate per step (:func:`lowband.optim.lr_scale.step_scaled`).
             ``sqrt(2)`` took gpt at 2 workers from 2.7% above ``ssgd``'s validation loss at
-            equal steps to 0.2-0.3% (two seeds, docs/cp-diloco.md); SGD's averaged steps are
+            equal steps to 0.1-0.3% (two seeds, docs/cp-diloco.md); SGD's averaged steps are
             already its averaged gradients' step.
         sparse_rows: average each row of the model's embedding tables (the weights of
             ``nn.Embedding``/``nn.EmbeddingBag`` tables no other layer shares) over the ranks

@@ -6,7 +6,7 @@ batch's gradients, which holds N times the noise variance of the averaged batch 
 synchronous (``ssgd``/DDP) step divides by. Where the noise dominates that moment, the mean
 of N Adam steps on batch-B gradients moves like one Adam step at ``lr / sqrt(N)`` on the
 batch-NB mean, so the inner steps are taken at ``sqrt(N)`` times the user's rate to keep the
-user's recipe (docs/cp-diloco.md, "Where gpt's gap comes from").
+user's recipe (docs/cp-diloco.md, "The inner steps' rate").
 """
 from __future__ import annotations
 
