@@ -381,12 +381,14 @@ def _run_with_summary(rank: int, world: int, opts: dict, steps: int, kind: str, 
 
 @pytest.mark.parametrize("opts,kind,model,steps", [
     # the table and fc2, each layer with its own tau from the rule (a hot SGD makes fc2's
-    # rounds disagree early: its tau falls behind the table's from round 3; it also makes the
-    # run chaotic after ~10 steps, where rounding differences grow past the tolerance), the
-    # spread correction through each group's own shares, the table's rows averaged over the
-    # ranks that trained them
+    # rounds disagree early: its tau falls behind the table's from round 3), the spread
+    # correction through each group's own shares, the table's rows averaged over the ranks that
+    # trained them. 6 steps: the hot SGD soon brings some element within float rounding of a
+    # 2-bit threshold, where the reference and the run quantize it to different levels (on an
+    # AVX-512 EPYC host in step 7's message: its residuals 0.05 apart, the weights 0.025 at step 8,
+    # after 6e-7; with compressor="none" the two stay within 5e-6 to step 10)
     (dict(sync_every=1, correction_every=3, apply_after=None, lazy_layers="table,fc2", lazy_every="auto"),
-     "sgd-hot", "embed", 8),
+     "sgd-hot", "embed", 6),
     # conv and fc1 every 2nd round, each in its own message, pipelined with apply_after=1 and
     # Nesterov outer momentum: the same rounds as one group, other exact shares and residuals
     (dict(sync_every=3, correction_every=3, apply_after=1, outer_lr=0.7, outer_momentum=0.5,
